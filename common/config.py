@@ -1,0 +1,340 @@
+"""Job configuration: nested, validated dataclasses loaded from one TOML file.
+
+Every process reads the same file. Single keys are overridden on the command
+line with ``--set section.key=value`` (the value is parsed as a TOML value, so
+``--set drafter.learning_rate=3e-4`` and ``--set data.bucket_lengths=[64,128]``
+work). A ``[drafters.<id>]`` table holds per-drafter overrides of ``[drafter]``
+so one file can describe several experiments sharing one target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with the configuration (message names the key)."""
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING):
+    kwargs: dict[str, Any] = {"metadata": {"doc": text}}
+    if default_factory is not dataclasses.MISSING:
+        kwargs["default_factory"] = default_factory
+    else:
+        kwargs["default"] = default
+    return field(**kwargs)
+
+
+def _require(cond: bool, key: str, message: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key} {message}, got {value!r}")
+
+
+@dataclass
+class RunConfig:
+    name: str = _doc("run name; everything the run writes goes to <root_dir>/<name>/", "demo")
+    root_dir: str = _doc("directory holding run directories", "runs")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and "/" not in self.name, "run.name", "must be a non-empty name without '/'", self.name)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root_dir) / self.name
+
+
+@dataclass
+class ControlConfig:
+    address: str = _doc("ZeroMQ ROUTER address the target binds and drafters connect to", "tcp://127.0.0.1:5555")
+    store_host: str = _doc("host of the TCPStore (hosted by the target) used to form data-plane pairs", "127.0.0.1")
+    store_port: int = _doc("port of that TCPStore", 5556)
+    heartbeat_interval_s: float = _doc("seconds between heartbeats, both directions", 1.0)
+    heartbeat_timeout_s: float = _doc("silence after which a peer is declared dead", 15.0)
+    handshake_timeout_s: float = _doc("how long a drafter waits for WELCOME before retrying", 30.0)
+    reconnect_backoff_max_s: float = _doc("cap of the exponential backoff while the target is away", 5.0)
+    max_message_bytes: int = _doc("control frames larger than this are refused", 1 << 20)
+
+    def __post_init__(self) -> None:
+        _require(self.address.startswith(("tcp://", "ipc://")), "control.address", "must start with tcp:// or ipc://", self.address)
+        _require(0 < self.store_port < 65536, "control.store_port", "must be a TCP port", self.store_port)
+        _require(self.heartbeat_interval_s > 0, "control.heartbeat_interval_s", "must be > 0", self.heartbeat_interval_s)
+        _require(
+            self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
+            "control.heartbeat_timeout_s",
+            "must exceed twice control.heartbeat_interval_s",
+            self.heartbeat_timeout_s,
+        )
+        _require(self.handshake_timeout_s > 0, "control.handshake_timeout_s", "must be > 0", self.handshake_timeout_s)
+        _require(self.max_message_bytes >= 4096, "control.max_message_bytes", "must be >= 4096", self.max_message_bytes)
+
+
+@dataclass
+class TransportConfig:
+    kind: str = _doc("data plane: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'", "auto")
+    timeout_s: float = _doc("bound on every data-plane wait (pair formation, send, receive)", 60.0)
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("auto", "nccl", "gloo"), "transport.kind", "must be one of auto, nccl, gloo", self.kind)
+        _require(self.timeout_s > 0, "transport.timeout_s", "must be > 0", self.timeout_s)
+
+    def resolve(self, device: str) -> str:
+        if self.kind != "auto":
+            return self.kind
+        return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@dataclass
+class MetricsConfig:
+    address: str = _doc("ZeroMQ PULL address of the metrics sidecar", "tcp://127.0.0.1:5557")
+    log_every_steps: int = _doc("producers snapshot their device counters every this many steps", 5)
+    window_s: float = _doc("the sidecar aggregates records over windows of this length", 2.0)
+    wandb_mode: str = _doc("W&B mode: offline, online or disabled", "offline")
+    wandb_project: str = _doc("W&B project", "dflash")
+    wandb_entity: str = _doc("W&B entity (team); empty for the default", "")
+
+    def __post_init__(self) -> None:
+        _require(self.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1", self.log_every_steps)
+        _require(self.window_s > 0, "metrics.window_s", "must be > 0", self.window_s)
+        _require(self.wandb_mode in ("offline", "online", "disabled"), "metrics.wandb_mode", "must be offline, online or disabled", self.wandb_mode)
+
+
+@dataclass
+class TargetConfig:
+    model: str = _doc("'smollm2' (the packaged GGUF), a .gguf file, a Hugging Face model directory, or a cached hub id", "smollm2")
+    tokenizer: str = _doc("tokenizer source when the model directory has none; empty = same as model", "")
+    device: str = _doc("device of the target forward pass: cpu or cuda[:N]", "cpu")
+    dtype: str = _doc("dtype of the target forward and of the features sent: float32 or bfloat16 (use float32 on CPU)", "float32")
+    num_captured_layers: int = _doc("how many target layers the drafter reads (DFlash rule picks which)", 5)
+    target_layer_ids: list[int] = _doc("explicit layer ids to capture; empty = build_target_layer_ids rule", default_factory=list)
+    mask_token_id: int = _doc("token id used for the masked block slots; -1 picks an unused special token", -1)
+    threads: int = _doc("torch CPU threads for the target; 0 keeps torch's default", 0)
+    ready_batches: int = _doc("captured-batch buffers per length bucket (how far the target may run ahead)", 3)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "target.model", "must be set", self.model)
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype", "must be float32, bfloat16 or float16", self.dtype)
+        _require(self.num_captured_layers >= 1, "target.num_captured_layers", "must be >= 1", self.num_captured_layers)
+        _require(all(i >= 0 for i in self.target_layer_ids), "target.target_layer_ids", "must be non-negative", self.target_layer_ids)
+        _require(self.threads >= 0, "target.threads", "must be >= 0", self.threads)
+        _require(self.ready_batches >= 1, "target.ready_batches", "must be >= 1", self.ready_batches)
+
+
+@dataclass
+class DataConfig:
+    source: str = _doc("'pydoc' (Python's own reference text) or a JSONL file of {\"messages\": [...]} chats", "pydoc")
+    max_seq_len: int = _doc("samples are truncated to this many tokens", 256)
+    bucket_lengths: list[int] = _doc("fixed sequence lengths of the batch shapes", default_factory=lambda: [64, 128, 256])
+    tokens_per_batch: int = _doc("batch size of a bucket = tokens_per_batch // its length", 1024)
+    seed: int = _doc("seed of the shuffle and the held-out split", 0)
+    heldout_fraction: float = _doc("fraction of conversations kept out of training for evaluation", 0.02)
+    num_epochs: int = _doc("epochs to serve; 0 = unlimited", 0)
+    max_samples: int = _doc("use only the first N training samples; 0 = all", 0)
+
+    def __post_init__(self) -> None:
+        _require(self.max_seq_len >= 8, "data.max_seq_len", "must be >= 8", self.max_seq_len)
+        _require(len(self.bucket_lengths) >= 1, "data.bucket_lengths", "must not be empty", self.bucket_lengths)
+        _require(self.bucket_lengths == sorted(set(self.bucket_lengths)), "data.bucket_lengths", "must be strictly increasing", self.bucket_lengths)
+        _require(self.bucket_lengths[-1] >= self.max_seq_len, "data.bucket_lengths", f"must end at or above data.max_seq_len={self.max_seq_len}", self.bucket_lengths)
+        _require(self.tokens_per_batch >= self.bucket_lengths[-1], "data.tokens_per_batch", "must be >= the largest bucket length", self.tokens_per_batch)
+        _require(0.0 <= self.heldout_fraction < 1.0, "data.heldout_fraction", "must be in [0, 1)", self.heldout_fraction)
+        _require(self.num_epochs >= 0, "data.num_epochs", "must be >= 0", self.num_epochs)
+        _require(self.max_samples >= 0, "data.max_samples", "must be >= 0", self.max_samples)
+
+
+@dataclass
+class DrafterConfig:
+    id: str = _doc("drafter id (names its checkpoints and metrics series)", "d0")
+    group: str = _doc("drafters of one group share one sample stream; empty = own group named after the id", "")
+    device: str = _doc("training device: cpu or cuda[:N]", "cpu")
+    threads: int = _doc("torch CPU threads; 0 keeps torch's default", 0)
+    num_layers: int = _doc("decoder layers of the drafter", 1)
+    block_size: int = _doc("tokens predicted per block (slot 0 is the anchor)", 16)
+    anchors_per_sequence: int = _doc("blocks trained per sequence per step", 4)
+    loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
+    learning_rate: float = _doc("peak AdamW learning rate", 6e-4)
+    min_lr_ratio: float = _doc("cosine decays to learning_rate * min_lr_ratio", 0.1)
+    weight_decay: float = _doc("AdamW weight decay", 0.01)
+    warmup_steps: int = _doc("linear warm-up steps", 10)
+    max_steps: int = _doc("stop after this many optimizer steps; 0 = until the data ends or a signal", 100)
+    decay_steps: int = _doc("length of the cosine schedule; 0 = max_steps", 0)
+    grad_clip: float = _doc("gradient norm clipping threshold", 1.0)
+    credits: int = _doc("batches a drafter keeps in flight (>= 2 overlaps receive and compute)", 2)
+    checkpoint_every_steps: int = _doc("checkpoint period in optimizer steps (also at shutdown)", 50)
+    keep_checkpoints: int = _doc("how many step-N checkpoints to keep", 2)
+    seed: int = _doc("seed of the drafter's initialisation and anchor sampling", 0)
+    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds", 30.0)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.id) and "/" not in self.id, "drafter.id", "must be a non-empty name without '/'", self.id)
+        _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1", self.num_layers)
+        _require(self.block_size >= 2, "drafter.block_size", "must be >= 2", self.block_size)
+        _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)
+        _require(self.loss_gamma > 0, "drafter.loss_gamma", "must be > 0", self.loss_gamma)
+        _require(self.learning_rate > 0, "drafter.learning_rate", "must be > 0", self.learning_rate)
+        _require(0 <= self.min_lr_ratio <= 1, "drafter.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        _require(self.warmup_steps >= 0, "drafter.warmup_steps", "must be >= 0", self.warmup_steps)
+        _require(self.max_steps >= 0, "drafter.max_steps", "must be >= 0", self.max_steps)
+        _require(self.grad_clip > 0, "drafter.grad_clip", "must be > 0", self.grad_clip)
+        _require(1 <= self.credits <= 64, "drafter.credits", "must be in [1, 64]", self.credits)
+        _require(self.checkpoint_every_steps >= 1, "drafter.checkpoint_every_steps", "must be >= 1", self.checkpoint_every_steps)
+        _require(self.keep_checkpoints >= 1, "drafter.keep_checkpoints", "must be >= 1", self.keep_checkpoints)
+        _require(self.stop_timeout_s > 0, "drafter.stop_timeout_s", "must be > 0", self.stop_timeout_s)
+        if not self.group:
+            self.group = self.id
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+
+    def shared_hash(self) -> str:
+        """Hash of what target and drafters must agree on (data, captured layers, dtype)."""
+        shared = {
+            "data": dataclasses.asdict(self.data),
+            "target": {k: getattr(self.target, k) for k in ("model", "dtype", "num_captured_layers", "target_layer_ids", "mask_token_id")},
+        }
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section in dataclasses.fields(self):
+            lines.append(f"[{section.name}]")
+            for key, value in dataclasses.asdict(getattr(self, section.name)).items():
+                lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check a raw TOML value against a field's annotated type."""
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {hint!r} for {key}")
+
+
+def _build_section(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{name}] must be a table, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"unknown config key {name}.{key} (known: {', '.join(sorted(known))})")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, falling back to a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw_value = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") < 1:
+        raise ConfigError(f"override key {key!r} must name a section and a key, e.g. drafter.learning_rate")
+    try:
+        value = tomllib.loads(f"v = {raw_value}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw_value
+    return key, value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot override {key}: {part} is not a table")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load and validate the job config; ``overrides`` are ``section.key=value`` strings."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    parsed = [parse_override(o) for o in overrides]
+    for key, value in parsed:
+        _set_dotted(raw, key, value)
+    # Per-drafter tables sit between the shared [drafter] table and the command line.
+    per_drafter = raw.pop("drafters", {})
+    if not isinstance(per_drafter, dict):
+        raise ConfigError("[drafters] must hold one table per drafter id, e.g. [drafters.d1]")
+    drafter_raw = raw.setdefault("drafter", {})
+    drafter_id = drafter_raw.get("id", DrafterConfig.id)
+    if drafter_id in per_drafter:
+        specific = per_drafter[drafter_id]
+        if not isinstance(specific, dict):
+            raise ConfigError(f"[drafters.{drafter_id}] must be a table")
+        cli_keys = {k.split(".", 1)[1] for k, _ in parsed if k.startswith("drafter.")}
+        for key, value in specific.items():
+            if key not in cli_keys:
+                drafter_raw[key] = value
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    kwargs = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}] (known: {', '.join(sections)}, drafters)")
+        kwargs[name] = _build_section(name, typing.get_type_hints(Config)[name], value)
+    return Config(**kwargs)
+
+
+def drafter_ids_in(path: str | Path) -> list[str]:
+    """The drafter ids a config file names in its [drafters.<id>] tables (used by launchers)."""
+    raw = tomllib.loads(Path(path).read_text())
+    return list(raw.get("drafters", {}).keys())

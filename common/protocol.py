@@ -1,0 +1,239 @@
+"""Every control-plane message, as small typed classes encoded with msgpack.
+
+A message on the wire is one msgpack map ``{"type": <name>, "v": PROTOCOL_VERSION,
+...fields}``. Decoding checks the version, the type and every field's type, and
+raises :class:`ProtocolError` (with an error code a server can send back)
+instead of handing half-valid data to the caller. Pickle is never used:
+msgpack is configured to refuse anything but plain maps, lists, strings,
+numbers, booleans and nil.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Error codes carried by ERROR messages.
+E_MALFORMED = "malformed"
+E_UNKNOWN_TYPE = "unknown_type"
+E_VERSION = "version_mismatch"
+E_CONFIG = "config_mismatch"
+E_TRANSPORT = "transport_mismatch"
+E_STATE = "bad_state"
+E_TOO_LARGE = "too_large"
+E_BUSY = "busy"
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        body = {"type": self.TYPE, "v": PROTOCOL_VERSION}
+        body.update(dataclasses.asdict(self))
+        return msgpack.packb(body, use_bin_type=True)
+
+
+@dataclass
+class Hello(Message):
+    """Drafter -> target: register (or re-register after a restart)."""
+
+    TYPE: ClassVar[str] = "HELLO"
+    drafter_id: str
+    group: str
+    config_hash: str
+    transport: str
+    pid: int
+    # Plan indices this drafter's checkpoint already covers: all below
+    # ``covered_watermark`` plus ``covered_extra``.
+    covered_watermark: int = 0
+    covered_extra: list[int] = field(default_factory=list)
+    step: int = 0
+
+
+@dataclass
+class Welcome(Message):
+    """Target -> drafter: what the target is and where to form the data-plane pair."""
+
+    TYPE: ClassVar[str] = "WELCOME"
+    model_id: str
+    hidden_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    vocab_size: int
+    mask_token_id: int
+    block_size: int
+    dtype: str
+    embed_tied: bool
+    # Architecture hints the drafter copies from the target (heads, rope, ...).
+    target_arch: dict[str, Any]
+    # [batch_size, seq_len] of every length bucket, in bucket order.
+    buckets: list[list[int]]
+    store_host: str
+    store_port: int
+    pair_prefix: str
+    registration_epoch: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "ERROR"
+    code: str
+    message: str
+
+
+@dataclass
+class Request(Message):
+    """Drafter -> target: grant ``credits`` more batches."""
+
+    TYPE: ClassVar[str] = "REQUEST"
+    credits: int
+
+
+@dataclass
+class Batch(Message):
+    """Target -> drafter: metadata of the next transfer on the data plane."""
+
+    TYPE: ClassVar[str] = "BATCH"
+    batch_id: int
+    epoch: int
+    bucket: int
+    sample_ids: list[int]
+    batch_size: int
+    seq_len: int
+    feature_dim: int
+    dtype: str
+    nbytes: int
+    tag: int
+    num_tokens: int  # real (unpadded) tokens, so throughput needs no device read
+
+
+@dataclass
+class Ack(Message):
+    """Drafter -> target: batches trained, and the newest durable checkpoint step."""
+
+    TYPE: ClassVar[str] = "ACK"
+    batch_ids: list[int]
+    step: int
+    checkpoint_step: int
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT"
+    step: int = 0
+
+
+@dataclass
+class Bye(Message):
+    TYPE: ClassVar[str] = "BYE"
+    reason: str = ""
+
+
+@dataclass
+class Done(Message):
+    """Target -> drafter: every batch of the configured epochs has been served to this group."""
+
+    TYPE: ClassVar[str] = "DONE"
+    batches_served: int = 0
+
+
+@dataclass
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "STATUS_REQUEST"
+
+
+@dataclass
+class Status(Message):
+    TYPE: ClassVar[str] = "STATUS"
+    uptime_s: float
+    tokens_per_s: float
+    queue_depth: int
+    bucket_depths: list[int]
+    drafters: list[dict[str, Any]]
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, Error, Request, Batch, Ack, Heartbeat, Bye, Done, StatusRequest, Status)
+}
+
+
+def _check(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_check(v, item) for v in value)
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        return isinstance(value, dict) and all(_check(k, key_t) and _check(v, val_t) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
+    """Decode and validate one frame, or raise ProtocolError."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(E_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        body = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ProtocolError(E_MALFORMED, f"not a msgpack message: {type(exc).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(E_MALFORMED, f"message must be a map, got {type(body).__name__}")
+    version = body.pop("v", None)
+    kind = body.pop("type", None)
+    if not isinstance(kind, str):
+        raise ProtocolError(E_MALFORMED, "message has no string 'type' field")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(E_VERSION, f"protocol version {version!r} does not match this side's {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        raise ProtocolError(E_UNKNOWN_TYPE, f"unknown message type {kind[:40]!r}")
+    hints = _HINTS[kind]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in body:
+        if key not in fields:
+            raise ProtocolError(E_MALFORMED, f"{kind} has no field {str(key)[:40]!r}")
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(E_MALFORMED, f"{kind} is missing field {name!r}")
+            continue
+        if not _check(body[name], hints[name]):
+            raise ProtocolError(E_MALFORMED, f"{kind}.{name} has the wrong type ({type(body[name]).__name__})")
+    return cls(**body)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(E_MALFORMED, f"msgpack extension type {code} is not allowed")

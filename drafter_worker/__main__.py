@@ -1,0 +1,55 @@
+"""``python -m drafter_worker --config FILE --id d1 [--set key=value ...]`` (console script ``dflash-drafter``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from common.config import ConfigError, load_config
+from common.logging_setup import setup_logging
+
+logger = logging.getLogger("drafter_worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-drafter", description="Train a DFlash drafter on a live target.")
+    parser.add_argument("--config", help="TOML job config (default: built-in defaults)")
+    parser.add_argument("--id", help="drafter id (same as --set drafter.id=ID); picks up [drafters.ID] from the config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set drafter.learning_rate=3e-4")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.id:
+        overrides.insert(0, f"drafter.id={args.id!r}".replace("'", '"'))
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"dflash-drafter: config error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(f"drafter-{cfg.drafter.id}", cfg.run.path / "logs")
+
+    from drafter_worker.worker import DrafterWorker, FatalError
+
+    worker = DrafterWorker(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
+    try:
+        outcome = worker.run()
+    except FatalError as exc:
+        logger.error("[fatal] %s", exc)
+        worker.close()
+        return 2
+    except BaseException:
+        logger.exception("[fatal] drafter %s crashed", cfg.drafter.id)
+        worker.close()
+        raise
+    worker.close()
+    logger.info("[shutdown] drafter %s finished (%s) at step %d", cfg.drafter.id, outcome,
+                worker.trainer.step if worker.trainer else 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The drafter's optimisation step and its device-side metrics.
+
+The step never reads a device value on the host: the loss, gradient norm,
+clip decision, per-position hits and token counts are added into
+:class:`DeviceAccumulators` and read back later, without waiting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.config import DrafterConfig
+from common.device_metrics import DeviceAccumulators
+from common.dflash_model import DFlashDrafter, dflash_block_loss, expected_acceptance_length
+
+
+def learning_rate(cfg: DrafterConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to ``learning_rate * min_lr_ratio``."""
+    peak = cfg.learning_rate
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    decay = cfg.decay_steps or cfg.max_steps
+    if not decay:
+        return peak
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay - cfg.warmup_steps))
+    floor = peak * cfg.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(cfg: DrafterConfig, model: DFlashDrafter) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(0.9, 0.95), fused=fused or None)
+
+
+class DrafterTrainer:
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        model: DFlashDrafter,
+        optimizer: torch.optim.Optimizer,
+        generator: torch.Generator,
+        step: int,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.generator = generator
+        self.step = step
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        device = next(model.parameters()).device
+        bs = model.block_size
+        self.metrics = DeviceAccumulators(device, {
+            "loss_sum": (1, "sum"),
+            "steps": (1, "sum"),
+            "correct": (bs, "sum"),
+            "count": (bs, "sum"),
+            "grad_norm_sum": (1, "sum"),
+            "grad_norm_max": (1, "max"),
+            "clipped": (1, "sum"),
+            "label_tokens": (1, "sum"),
+        })
+
+    def train_step(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        lengths: torch.Tensor,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+    ) -> float:
+        """One optimizer step on one batch; returns the learning rate used (a host value)."""
+        lr = learning_rate(self.cfg, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        out = dflash_block_loss(
+            self.model,
+            features=features,
+            input_ids=input_ids.long(),
+            loss_mask=loss_mask,
+            lengths=lengths,
+            embed_weight=embed_weight,
+            lm_head_weight=lm_head_weight,
+            num_anchors=self.cfg.anchors_per_sequence,
+            loss_gamma=self.cfg.loss_gamma,
+            generator=self.generator,
+        )
+        out.loss.backward()
+        # Returns the pre-clip norm as a device tensor; clipping itself is a device op.
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        m = self.metrics
+        m.add("loss_sum", out.loss.detach())
+        m.add("steps", 1.0)
+        m.add("correct", out.correct_per_pos)
+        m.add("count", out.count_per_pos)
+        m.add("grad_norm_sum", norm)
+        m.maximum("grad_norm_max", norm)
+        m.add("clipped", (norm > self.cfg.grad_clip).float())
+        m.add("label_tokens", out.num_tokens)
+        self.step += 1
+        return lr
+
+
+def summarize(values: dict[str, list[float]]) -> dict[str, float]:
+    """Turn one window of accumulator values (host floats) into metric values."""
+    steps = max(values["steps"][0], 1.0)
+    correct = torch.tensor(values["correct"])
+    count = torch.tensor(values["count"])
+    out = {
+        "loss": values["loss_sum"][0] / steps,
+        "grad_norm": values["grad_norm_sum"][0] / steps,
+        "grad_norm_max": values["grad_norm_max"][0],
+        "clip_rate": values["clipped"][0] / steps,
+        "label_tokens": values["label_tokens"][0],
+        "eal": float(expected_acceptance_length(correct, count)),
+    }
+    acc = correct / count.clamp(min=1.0)
+    for k in range(1, len(values["correct"])):
+        out[f"acc/pos_{k}"] = float(acc[k])
+    return out

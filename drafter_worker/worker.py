@@ -1,0 +1,403 @@
+"""The drafter worker: registers with the target, receives batches, trains, checkpoints.
+
+One control thread runs everything except the data-plane receives, which a
+:class:`Receiver` thread waits on, so the receive of the next batch overlaps
+the training step on the current one (credits >= 2). When the target goes
+away the worker keeps its state, retries with backoff and continues when the
+target is back; it never exits because of the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from common import protocol as P
+from common.config import Config
+from common.dflash_model import DFlashDrafter, make_drafter_config
+from common.metrics_client import MetricsPusher
+from common.packing import BatchLayout, WeightsLayout, dtype_from_name
+from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
+from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
+from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize
+
+logger = logging.getLogger(__name__)
+
+
+class FatalError(RuntimeError):
+    """The target refused this drafter for a reason retrying cannot fix (config/version mismatch)."""
+
+
+class TargetUnavailable(RuntimeError):
+    """The target is gone or not answering; retry with backoff."""
+
+
+class Receiver(threading.Thread):
+    """Waits on posted receives in order and hands completed batches to the control thread."""
+
+    def __init__(self, pair: PairGroup):
+        super().__init__(name="receiver", daemon=True)
+        self.pair = pair
+        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor] | None] = queue.Queue()
+        self.ready: queue.Queue[tuple[P.Batch, torch.Tensor] | TransportError] = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            meta, buf = item
+            try:
+                self.pair.recv(buf[: meta.nbytes], meta.tag)
+            except TransportError as exc:
+                self.ready.put(exc)
+                return
+            self.ready.put((meta, buf))
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+
+
+@dataclass
+class _Window:
+    """Host-side values of the current metrics window."""
+
+    start: float = field(default_factory=time.monotonic)
+    tokens: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    steps: int = 0
+
+
+class DrafterWorker:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.dcfg = cfg.drafter
+        self.device = torch.device(self.dcfg.device)
+        self.transport = cfg.transport.resolve(self.dcfg.device)
+        self.run_dir = cfg.run.path
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._metrics = MetricsPusher(cfg.metrics.address, f"drafter/{self.dcfg.id}", context=self._ctx)
+        self.checkpoints = CheckpointStore(self.run_dir, self.dcfg.id, self.dcfg.keep_checkpoints)
+        self.ledger = Ledger(self.run_dir, self.dcfg.id)
+        self.trainer: DrafterTrainer | None = None
+        self.state: TrainerState | None = None
+        self._resume_path = self.checkpoints.latest()
+        if self._resume_path is not None:
+            self.state = self.checkpoints.read_state(self._resume_path)
+            logger.info("[resume] drafter %s: checkpoint %s (step %d)", self.dcfg.id, self._resume_path, self.state.step)
+        self.ledger.resumed(self.state.step if self.state else 0)
+        self._checkpoint_step = self.state.step if self.state else 0
+        self._embed: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None
+        self._window = _Window()
+        self._window_host: tuple[_Window, int, float] | None = None
+        self._started = time.monotonic()
+        self._first_step_at: float | None = None
+        self.outcome = "running"
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # ---------------------------------------------------------------- outer loop
+    def run(self) -> str:
+        """Train until max_steps, the end of the data, or a stop request; returns why it ended."""
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                outcome = self._session()
+            except TargetUnavailable as exc:
+                logger.warning("[target] %s; retrying in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.cfg.control.reconnect_backoff_max_s)
+                continue
+            backoff = 0.5
+            if outcome != "reconnect":
+                self.outcome = outcome
+                break
+        else:
+            self.outcome = "stopped"
+        if self.trainer is not None and self.trainer.step > self._checkpoint_step:
+            self._checkpoint()
+        return self.outcome
+
+    # ---------------------------------------------------------------- one registration
+    def _session(self) -> str:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.IDENTITY, f"{self.dcfg.id}-{uuid.uuid4().hex[:8]}".encode())
+        sock.connect(self.cfg.control.address)
+        receiver: Receiver | None = None
+        pair: PairGroup | None = None
+        said_bye = False
+        try:
+            welcome = self._handshake(sock)
+            self._ensure_model(welcome)
+            store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
+            pair = PairGroup(
+                kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK, device=self.device,
+                timeout_s=self.cfg.transport.timeout_s, local_host=local_address_towards(welcome.store_host),
+            )
+            self._receive_weights(pair, welcome)
+            receiver = Receiver(pair)
+            receiver.start()
+            outcome = self._train_loop(sock, receiver, welcome)
+            if outcome != "reconnect":
+                sock.send(P.Bye(reason=outcome).encode())
+                said_bye = True
+            return outcome
+        except TransportError as exc:
+            raise TargetUnavailable(f"data plane failed: {exc}") from None
+        finally:
+            if receiver is not None:
+                receiver.stop()
+            if pair is not None:
+                pair.abort()
+            if not said_bye and self._stop.is_set():
+                try:
+                    sock.send(P.Bye(reason="stopping").encode(), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            sock.close(linger=200 if said_bye else 0)
+
+    def _hello(self) -> P.Hello:
+        coverage = self.state.coverage if self.state else Coverage()
+        return P.Hello(
+            drafter_id=self.dcfg.id, group=self.dcfg.group, config_hash=self.cfg.shared_hash(),
+            transport=self.transport, pid=os.getpid(), covered_watermark=coverage.watermark,
+            covered_extra=sorted(coverage.extra), step=self.state.step if self.state else 0,
+        )
+
+    def _handshake(self, sock: zmq.Socket) -> P.Welcome:
+        sock.send(self._hello().encode())
+        deadline = time.monotonic() + self.cfg.control.handshake_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if not sock.poll(100):
+                continue
+            msg = self._decode(sock.recv())
+            if isinstance(msg, P.Welcome):
+                logger.info(
+                    "[hello] registered with target %s as epoch %d (pair %s)",
+                    msg.model_id, msg.registration_epoch, msg.pair_prefix,
+                )
+                return msg
+            if isinstance(msg, P.Error):
+                if msg.code in (P.E_CONFIG, P.E_TRANSPORT, P.E_VERSION):
+                    raise FatalError(f"target refused this drafter: {msg.message}")
+                raise TargetUnavailable(f"target answered ERROR {msg.code}: {msg.message}")
+        if self._stop.is_set():
+            raise TargetUnavailable("stopping before the target answered")
+        raise TargetUnavailable(
+            f"no WELCOME from {self.cfg.control.address} within {self.cfg.control.handshake_timeout_s:.0f}s "
+            "(is the target running? raise control.handshake_timeout_s if it is still loading)"
+        )
+
+    def _decode(self, frame: bytes) -> P.Message | None:
+        try:
+            return P.decode(frame, max_bytes=self.cfg.control.max_message_bytes)
+        except P.ProtocolError as exc:
+            logger.warning("ignoring a bad message from the target: %s", exc.message)
+            return None
+
+    def _ensure_model(self, welcome: P.Welcome) -> None:
+        if self.trainer is not None:
+            model = self.trainer.model
+            if list(model.target_layer_ids) != list(welcome.target_layer_ids):
+                raise FatalError(
+                    f"the target now captures layers {welcome.target_layer_ids} but this drafter was built for "
+                    f"{list(model.target_layer_ids)}"
+                )
+            return
+        if self.dcfg.threads:
+            torch.set_num_threads(self.dcfg.threads)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.dcfg.seed)
+        if self._resume_path is not None:
+            model, optimizer, gen_state, torch_rng = self.checkpoints.load(
+                self._resume_path, self.device, lambda m: make_optimizer(self.dcfg, m)
+            )
+            generator.set_state(gen_state)
+            torch.set_rng_state(torch_rng)
+            if list(model.target_layer_ids) != list(welcome.target_layer_ids):
+                raise FatalError(
+                    f"checkpoint {self._resume_path} was trained on layers {list(model.target_layer_ids)}, "
+                    f"the target captures {welcome.target_layer_ids}"
+                )
+            step = self.state.step
+        else:
+            arch = welcome.target_arch
+            config = make_drafter_config(
+                hidden_size=welcome.hidden_size,
+                num_attention_heads=arch["num_attention_heads"],
+                num_key_value_heads=arch["num_key_value_heads"],
+                head_dim=arch["head_dim"],
+                intermediate_size=arch["intermediate_size"],
+                vocab_size=welcome.vocab_size,
+                rms_norm_eps=arch["rms_norm_eps"],
+                rope_theta=arch["rope_theta"],
+                max_position_embeddings=arch["max_position_embeddings"],
+                num_hidden_layers=self.dcfg.num_layers,
+                num_target_layers=welcome.num_target_layers,
+                target_layer_ids=welcome.target_layer_ids,
+                block_size=self.dcfg.block_size,
+                mask_token_id=welcome.mask_token_id,
+            )
+            torch.manual_seed(self.dcfg.seed)
+            model = DFlashDrafter(config).to(self.device)
+            optimizer = make_optimizer(self.dcfg, model)
+            step = 0
+            self.state = TrainerState(0, Coverage(), self.dcfg.id, self.dcfg.group, welcome.model_id)
+        self.trainer = DrafterTrainer(self.dcfg, model, optimizer, generator, step)
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info("[model] drafter %s: %.2fM parameters, %d layers, block %d, starting at step %d",
+                    self.dcfg.id, n_params / 1e6, self.dcfg.num_layers, model.block_size, step)
+
+    def _receive_weights(self, pair: PairGroup, welcome: P.Welcome) -> None:
+        layout = WeightsLayout(welcome.vocab_size, welcome.hidden_size, welcome.embed_tied, dtype_from_name(welcome.dtype))
+        buf = layout.allocate(self.device)
+        pair.recv(buf, tag=0)
+        embed, head = layout.views(buf)
+        self._embed, self._head = embed.float(), head.float()
+
+    # ---------------------------------------------------------------- steady state
+    def _train_loop(self, sock: zmq.Socket, receiver: Receiver, welcome: P.Welcome) -> str:
+        trainer = self.trainer
+        buffers: dict[int, list[torch.Tensor]] = {}
+        layouts: dict[int, BatchLayout] = {}
+        inflight = 0
+        done = False
+        sock.send(P.Request(credits=self.dcfg.credits).encode())
+        inflight_credits = self.dcfg.credits
+        hb_every = welcome.heartbeat_interval_s
+        timeout = welcome.heartbeat_timeout_s
+        last_heard = time.monotonic()
+        next_hb = time.monotonic()
+        idle_since = time.monotonic()
+        pending_ack: list[int] = []
+        while True:
+            now = time.monotonic()
+            if self._stop.is_set():
+                return "stopped"
+            if self.dcfg.max_steps and trainer.step >= self.dcfg.max_steps:
+                return "max_steps"
+            if done and inflight == 0:
+                return "done"
+            if now - last_heard > timeout:
+                raise TargetUnavailable(f"target silent for {now - last_heard:.1f}s (heartbeat timeout {timeout:.0f}s)")
+            if now >= next_hb:
+                sock.send(P.Heartbeat(step=trainer.step).encode())
+                next_hb = now + hb_every
+            # Control messages.
+            while sock.poll(0 if inflight and not receiver.ready.empty() else 5):
+                msg = self._decode(sock.recv())
+                last_heard = time.monotonic()
+                if isinstance(msg, P.Batch):
+                    layout = layouts.setdefault(
+                        msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
+                    )
+                    pool = buffers.setdefault(msg.bucket, [])
+                    buf = pool.pop() if pool else layout.allocate(self.device)
+                    receiver.inbox.put((msg, buf))
+                    inflight += 1
+                    inflight_credits -= 1
+                elif isinstance(msg, P.Done):
+                    done = True
+                    logger.info("[done] target has served every batch to group %s", self.dcfg.group)
+                elif isinstance(msg, P.Bye):
+                    raise TargetUnavailable(f"target said BYE ({msg.reason})")
+                elif isinstance(msg, P.Error):
+                    logger.warning("target reported ERROR %s: %s", msg.code, msg.message)
+            # A completed receive: train on it.
+            try:
+                item = receiver.ready.get_nowait()
+            except queue.Empty:
+                continue
+            if isinstance(item, TransportError):
+                raise item
+            meta, buf = item
+            inflight -= 1
+            wait_s = time.monotonic() - idle_since
+            features, input_ids, loss_mask, lengths = layouts[meta.bucket].views(buf)
+            start = time.perf_counter()
+            lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
+            compute_s = time.perf_counter() - start
+            if self._first_step_at is None:
+                self._first_step_at = time.monotonic()
+            idle_since = time.monotonic()
+            buffers[meta.bucket].append(buf)
+            self.state.coverage.add(meta.batch_id)
+            self.state.step = trainer.step
+            self.state.tokens_trained += meta.num_tokens
+            self.ledger.trained(trainer.step, meta.batch_id, meta.epoch, meta.sample_ids)
+            pending_ack.append(meta.batch_id)
+            self._account(meta, lr, wait_s, compute_s)
+            if trainer.step % self.dcfg.checkpoint_every_steps == 0:
+                self._checkpoint()
+            sock.send(P.Ack(batch_ids=pending_ack, step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
+            pending_ack = []
+            # Keep (in flight + unused credits) at the configured credits, but never ask past max_steps.
+            granted = inflight + inflight_credits
+            past_budget = self.dcfg.max_steps and trainer.step + granted >= self.dcfg.max_steps
+            if not past_budget and granted < self.dcfg.credits:
+                sock.send(P.Request(credits=1).encode())
+                inflight_credits += 1
+
+    def _checkpoint(self) -> None:
+        trainer = self.trainer
+        self.state.step = trainer.step
+        self.ledger.make_durable()
+        path = self.checkpoints.save(self.state, trainer.model, trainer.optimizer, trainer.generator)
+        self._checkpoint_step = trainer.step
+        logger.info("[checkpoint] drafter %s: step %d -> %s", self.dcfg.id, trainer.step, path)
+
+    # ---------------------------------------------------------------- metrics
+    def _account(self, meta: P.Batch, lr: float, wait_s: float, compute_s: float) -> None:
+        w = self._window
+        w.tokens += meta.num_tokens
+        w.samples += len(meta.sample_ids)
+        w.wait_s += wait_s
+        w.compute_s += compute_s
+        w.steps += 1
+        trainer = self.trainer
+        if trainer.step % self.cfg.metrics.log_every_steps == 0 and trainer.metrics.snapshot():
+            self._window_host = (w, trainer.step, lr)
+            self._window = _Window()
+        self._flush_metrics()
+
+    def _flush_metrics(self) -> None:
+        if self._window_host is None:
+            return
+        values = self.trainer.metrics.poll()
+        if values is None:
+            return
+        w, step, lr = self._window_host
+        self._window_host = None
+        elapsed = max(time.monotonic() - w.start, 1e-9)
+        record = summarize(values)
+        record.update({
+            "lr": lr,
+            "tokens_per_s": w.tokens / elapsed,
+            "samples_per_s": w.samples / elapsed,
+            "data_wait_frac": w.wait_s / elapsed,
+            "compute_ms": 1000.0 * w.compute_s / max(1, w.steps),
+            "tokens_trained": self.state.tokens_trained,
+            "checkpoint_step": self._checkpoint_step,
+        })
+        if self.device.type == "cuda":
+            record["mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 1e9
+            record["mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        self._metrics.send(record, step=step)
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._ctx.term()

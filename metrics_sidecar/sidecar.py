@@ -1,0 +1,280 @@
+"""The metrics sidecar: receive records, window them, log them (JSONL, W&B, log line).
+
+    sidecar = MetricsSidecar("tcp://127.0.0.1:5557", "runs/r1", "r1")  # binds
+    sidecar.run()          # until request_stop() / stop_event; then drains and closes
+
+The receive loop polls with a timeout, so it notices a stop request within
+`_POLL_MAX_S`; W&B calls run on the uploader's thread (wandb_uploader.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from common.metrics_client import MalformedRecord, parse_metrics_record
+from metrics_sidecar.aggregate import WindowAggregator
+from metrics_sidecar.jsonl_log import JsonlLog
+from metrics_sidecar.wandb_uploader import WANDB_MODES, WandbUploader
+
+logger = logging.getLogger("metrics_sidecar")
+
+METRICS_FILE = "metrics.jsonl"
+STATE_FILE = "metrics_sidecar_state.json"  # window counter, so a restart continues sidecar/window
+_POLL_MAX_S = 0.1
+_MAX_FRAME_BYTES = 1 << 20  # a metrics record is a few hundred bytes
+_RCVHWM = 100_000
+_MALFORMED_WARNINGS_PER_WINDOW = 20
+
+
+class SidecarBindError(RuntimeError):
+    """The sidecar could not bind its address (usually: port in use)."""
+
+
+class MetricsSidecar:
+    """Receives metric records on a PULL socket and logs one window at a time.
+
+    Single-threaded apart from the W&B uploader: construct, `run()` and
+    `close()` from one thread; `request_stop()` (or setting `stop_event`) may
+    be called from any thread or a signal handler.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        run_dir: str | Path,
+        run_name: str,
+        *,
+        window_s: float = 2.0,
+        max_records_per_window: int = 10000,
+        wandb_mode: str = "offline",
+        wandb_project: str = "dflash",
+        wandb_entity: str | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        stop_event: threading.Event | None = None,
+        stale_after_s: float = 60.0,
+        upload_queue_windows: int = 64,
+        wandb_retries: int = 3,
+        close_timeout_s: float = 30.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if max_records_per_window < 1:
+            raise ValueError(f"max_records_per_window must be >= 1, got {max_records_per_window}")
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {wandb_mode!r}")
+        if not run_name:
+            raise ValueError("run_name must not be empty")
+        self.address = address
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.window_s = window_s
+        self.max_records_per_window = max_records_per_window
+        self.close_timeout_s = close_timeout_s
+        self.stop_event = stop_event if stop_event is not None else threading.Event()
+
+        # Counters (also logged as sidecar/*).
+        self.records_received = 0  # every frame, valid or not
+        self.records_malformed = 0
+        self.records_dropped_by_producers = 0
+        self.windows_logged = 0
+
+        self._closed = False
+        self._window_frames = 0
+        self._malformed_in_window = 0
+        self._dropped_in_window: dict[str, int] = {}
+
+        ctx = context if context is not None else zmq.Context.instance()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise SidecarBindError(
+                f"metrics sidecar cannot bind {address}: {zmq.strerror(exc.errno)}; "
+                "is another sidecar running there? stop it or choose another metrics address"
+            ) from None
+        self._sock: zmq.Socket | None = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+
+        self._uploader: WandbUploader | None = None
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._aggregator = WindowAggregator(stale_after_s=stale_after_s, first_window=self._load_next_window())
+            if wandb_mode != "disabled":
+                self._uploader = WandbUploader(
+                    run_dir=self.run_dir,
+                    run_name=run_name,
+                    mode=wandb_mode,
+                    project=wandb_project,
+                    entity=wandb_entity,
+                    config=wandb_config,
+                    queue_size=upload_queue_windows,
+                    retries=wandb_retries,
+                )
+            self._jsonl = JsonlLog(self.run_dir / METRICS_FILE)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        logger.info(
+            "[startup] metrics sidecar listening on %s, run %s in %s, window %.1f s, W&B %s",
+            address, run_name, self.run_dir, window_s, wandb_mode,
+        )
+
+    # --- public -------------------------------------------------------------
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self._uploader.run_id if self._uploader else None
+
+    def request_stop(self) -> None:
+        """Ask `run()` to drain, log a final window and return. Signal-safe."""
+        self.stop_event.set()
+
+    def stats(self) -> dict[str, float]:
+        """The sidecar/* counters as they would be logged now."""
+        up = self._uploader
+        return {
+            "sidecar/records_received": self.records_received,
+            "sidecar/records_malformed": self.records_malformed,
+            "sidecar/records_dropped_by_producers": self.records_dropped_by_producers,
+            "sidecar/wandb_calls": up.calls if up else 0,
+            "sidecar/wandb_log_ms": up.last_log_ms if up else 0.0,
+            "sidecar/upload_backlog": up.backlog if up else 0,
+            "sidecar/windows_dropped": up.windows_dropped if up else 0,
+        }
+
+    def run(self) -> None:
+        """Receive and log windows until stopped, then drain and close."""
+        if self._closed:
+            raise RuntimeError("MetricsSidecar.run() after close()")
+        try:
+            if self._uploader is not None:
+                self._uploader.start()
+            next_window = time.monotonic() + self.window_s
+            while not self.stop_event.is_set():
+                timeout_s = min(max(next_window - time.monotonic(), 0.0), _POLL_MAX_S)
+                if self._poller.poll(timeout_s * 1000.0):
+                    self._receive_available()
+                if time.monotonic() >= next_window:
+                    self._end_window()
+                    next_window = time.monotonic() + self.window_s
+            self._drain()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Flush files, finish the W&B run, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._jsonl.close()
+            if self._uploader is not None:
+                self._uploader.close(self.close_timeout_s)
+        finally:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+        logger.info(
+            "[shutdown] metrics sidecar: %d record(s) received, %d malformed, %d window(s) logged",
+            self.records_received, self.records_malformed, self.windows_logged,
+        )
+
+    # --- receive loop ---------------------------------------------------------
+
+    def _receive_available(self) -> int:
+        """Receive every frame already queued, closing windows that fill up."""
+        n = 0
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+            self._handle(frames)
+            if self._window_frames >= self.max_records_per_window:
+                self._end_window()
+
+    def _handle(self, frames: list[bytes]) -> None:
+        self.records_received += 1
+        self._window_frames += 1
+        try:
+            if len(frames) != 1:
+                raise MalformedRecord(f"expected one frame, got {len(frames)}")
+            record = parse_metrics_record(frames[0])
+        except MalformedRecord as exc:
+            self.records_malformed += 1
+            self._malformed_in_window += 1
+            if self._malformed_in_window <= _MALFORMED_WARNINGS_PER_WINDOW:
+                logger.warning("malformed metrics record (%d bytes) ignored: %s", sum(map(len, frames)), exc)
+            return
+        if record.dropped:
+            self.records_dropped_by_producers += record.dropped
+            self._dropped_in_window[record.source] = self._dropped_in_window.get(record.source, 0) + record.dropped
+        self._jsonl.write(record)
+        if self._aggregator.add(record):
+            logger.info("[source] first record from %s (step %d)", record.source, record.step)
+
+    def _drain(self) -> None:
+        """On stop: take what is already queued (bounded), log a final window."""
+        budget = 10 * self.max_records_per_window
+        while budget > 0:
+            got = self._receive_available()
+            budget -= got
+            if got == 0:
+                break
+        self._end_window()
+
+    def _end_window(self) -> None:
+        self._jsonl.flush()
+        if self._malformed_in_window > _MALFORMED_WARNINGS_PER_WINDOW:
+            logger.warning(
+                "%d more malformed record(s) in this window not shown",
+                self._malformed_in_window - _MALFORMED_WARNINGS_PER_WINDOW,
+            )
+        self._malformed_in_window = 0
+        if self._dropped_in_window:
+            logger.warning(
+                "producers dropped records while the sidecar was away or slow: %s",
+                " ".join(f"{src}={n}" for src, n in sorted(self._dropped_in_window.items())),
+            )
+            self._dropped_in_window = {}
+        if self._window_frames == 0:
+            return  # nothing new: no W&B call, no line
+        self._window_frames = 0
+        window = self._aggregator.close_window(self.stats())
+        if self._uploader is not None:
+            self._uploader.submit(window)
+        self.windows_logged += 1
+        self._save_next_window(self._aggregator.next_index)
+        logger.info("%s", window.line)
+
+    # --- window counter persistence ---------------------------------------------
+
+    def _load_next_window(self) -> int:
+        path = self.run_dir / STATE_FILE
+        if not path.exists():
+            return 1
+        try:
+            return max(1, int(json.loads(path.read_text(encoding="utf-8"))["next_window"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring unreadable %s (%s); window count restarts at 1", path, exc)
+            return 1
+
+    def _save_next_window(self, next_window: int) -> None:
+        path = self.run_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"next_window": next_window}) + "\n", encoding="utf-8")
+        tmp.replace(path)

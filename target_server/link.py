@@ -1,0 +1,118 @@
+"""The target's side of one drafter registration's data plane, on its own thread.
+
+The thread forms the pair group (bounded wait for the drafter to join), sends
+the frozen embedding/LM head once, then sends queued batch buffers in order.
+Results go back to the control thread through a queue, so the control loop
+never blocks on the data plane and a dead drafter only ends its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from common.transport import TARGET_RANK, PairGroup, TransportError
+from target_server.scheduler import ReadyBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkEvent:
+    link: "DrafterLink"
+    kind: str  # "sent" | "failed"
+    ready: ReadyBatch | None = None
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class DrafterLink(threading.Thread):
+    def __init__(
+        self,
+        *,
+        name: str,
+        transport: str,
+        store: dist.Store,
+        prefix: str,
+        device: torch.device,
+        timeout_s: float,
+        weights: torch.Tensor,
+        events: "queue.Queue[LinkEvent]",
+        local_host: str,
+    ):
+        super().__init__(name=f"link-{name}", daemon=True)
+        self._transport = transport
+        self._store = store
+        self.prefix = prefix
+        self._device = device
+        self._timeout_s = timeout_s
+        self._weights = weights
+        self._events = events
+        self._local_host = local_host
+        self._outbox: queue.Queue[tuple[ReadyBatch, int] | None] = queue.Queue()
+        self._pair: PairGroup | None = None
+        self._stopped = threading.Event()
+
+    def enqueue(self, ready: ReadyBatch, tag: int) -> None:
+        self._outbox.put((ready, tag))
+
+    def run(self) -> None:
+        try:
+            self._pair = PairGroup(
+                kind=self._transport,
+                store=self._store,
+                prefix=self.prefix,
+                rank=TARGET_RANK,
+                device=self._device,
+                timeout_s=self._timeout_s,
+                local_host=self._local_host,
+            )
+            if self._stopped.is_set():
+                return
+            self._pair.send(self._weights, tag=0)
+            while not self._stopped.is_set():
+                try:
+                    item = self._outbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                ready, tag = item
+                start = time.perf_counter()
+                try:
+                    self._pair.send(ready.buffer[: ready.layout.nbytes], tag)
+                except TransportError:
+                    self._events.put(LinkEvent(self, "failed", ready, "send failed"))
+                    raise
+                self._events.put(
+                    LinkEvent(self, "sent", ready, nbytes=ready.layout.nbytes, seconds=time.perf_counter() - start)
+                )
+        except TransportError as exc:
+            if not self._stopped.is_set():
+                self._events.put(LinkEvent(self, "failed", error=str(exc)))
+        finally:
+            self._drain_unsent()
+
+    def _drain_unsent(self) -> None:
+        """Hand back buffers queued but never sent, so their pins are released."""
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._events.put(LinkEvent(self, "failed", item[0], "link closed before send"))
+
+    def stop(self) -> None:
+        """Abort the pair without waiting for the peer; the thread exits promptly."""
+        self._stopped.set()
+        self._outbox.put(None)
+        if self._pair is not None:
+            self._pair.abort()

@@ -1,0 +1,205 @@
+"""Which batch to capture next, which group gets which batch, and buffer reuse.
+
+The data set is a deterministic plan of batches; a plan index names one batch
+for all time (``epoch = index // batches_per_epoch``). Every drafter group sees
+every batch once: a group's progress is ``next_index`` (lowest index never
+dispatched) plus ``redo`` (indices below it that must be sent again because a
+registration died before acknowledging them, or because a restarted drafter's
+checkpoint does not cover them). A captured batch is computed once and sent to
+every group that needs it, then its buffer is reused.
+
+Thread model: the capture thread calls :meth:`next_to_capture` /
+:meth:`publish`; the control thread calls everything else. One condition
+variable guards the state; no call holds it while doing real work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.packing import BatchLayout
+
+
+@dataclass
+class ReadyBatch:
+    plan_index: int
+    epoch: int
+    bucket: int
+    sample_ids: list[int]
+    num_tokens: int
+    buffer: torch.Tensor
+    layout: BatchLayout
+    pins: int = 0  # sends in progress that read this buffer
+
+
+@dataclass
+class GroupState:
+    next_index: int = 0
+    redo: list[int] = field(default_factory=list)  # kept sorted
+    active: int = 0  # live registrations in this group
+
+    def wants(self, index: int) -> bool:
+        return index >= self.next_index or index in self.redo
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        *,
+        bucket_of: "callable",
+        layouts: list[BatchLayout],
+        slots_per_bucket: int,
+        total_batches: int | None,
+        device: torch.device,
+        pin_memory: bool = False,
+    ):
+        self._bucket_of = bucket_of  # plan index -> bucket
+        self.layouts = layouts
+        self.total_batches = total_batches
+        self.lookahead = slots_per_bucket
+        self._cond = threading.Condition()
+        self._free: list[list[torch.Tensor]] = [
+            [layout.allocate(device, pin_memory=pin_memory) for _ in range(slots_per_bucket)] for layout in layouts
+        ]
+        self._ready: dict[int, ReadyBatch] = {}
+        self._capturing: set[int] = set()
+        self.groups: dict[str, GroupState] = {}
+        self.blocked_s = 0.0  # capture thread time spent with nothing it may compute
+        self._closed = False
+
+    # ---- group lifecycle (control thread) ----
+    def join(self, group: str, covered_watermark: int, covered_extra: list[int]) -> None:
+        """A registration joins ``group``; its checkpoint covers < watermark plus extra."""
+        with self._cond:
+            state = self.groups.setdefault(group, GroupState())
+            extra = set(covered_extra)
+            top = max([covered_watermark, *(i + 1 for i in extra)])
+            state.next_index = top
+            state.redo = [i for i in range(covered_watermark, top) if i not in extra]
+            state.active += 1
+            self._cond.notify_all()
+
+    def leave(self, group: str, unacked: list[int]) -> None:
+        """A registration left or died; its unacknowledged batches must be sent again."""
+        with self._cond:
+            state = self.groups.get(group)
+            if state is None:
+                return
+            state.active = max(0, state.active - 1)
+            state.redo = sorted(set(state.redo) | {i for i in unacked if i < state.next_index})
+            self._cond.notify_all()
+
+    def finished(self, group: str) -> bool:
+        state = self.groups.get(group)
+        return (
+            state is not None
+            and self.total_batches is not None
+            and state.next_index >= self.total_batches
+            and not state.redo
+        )
+
+    # ---- dispatch (control thread) ----
+    def take_for(self, group: str) -> ReadyBatch | None:
+        """The next batch for ``group`` if it is captured already; pins it until :meth:`release`."""
+        with self._cond:
+            state = self.groups[group]
+            if state.redo:
+                index = state.redo[0]
+            elif self.total_batches is None or state.next_index < self.total_batches:
+                index = state.next_index
+            else:
+                return None
+            ready = self._ready.get(index)
+            if ready is None:
+                self._cond.notify_all()  # the capture thread may have been idle
+                return None
+            if state.redo and state.redo[0] == index:
+                state.redo.pop(0)
+            else:
+                state.next_index += 1
+            ready.pins += 1
+            return ready
+
+    def release(self, ready: ReadyBatch) -> None:
+        with self._cond:
+            ready.pins -= 1
+            self._cond.notify_all()
+
+    # ---- capture (capture thread) ----
+    def _needed(self, index: int) -> bool:
+        return any(s.active and s.wants(index) for s in self.groups.values())
+
+    def _wanted(self) -> list[int]:
+        wanted: set[int] = set()
+        for state in self.groups.values():
+            if not state.active:
+                continue
+            wanted.update(state.redo[: self.lookahead])
+            end = state.next_index + self.lookahead
+            if self.total_batches is not None:
+                end = min(end, self.total_batches)
+            wanted.update(range(state.next_index, end))
+        return sorted(i for i in wanted if i not in self._ready and i not in self._capturing)
+
+    def _take_slot(self, bucket: int, index: int) -> torch.Tensor | None:
+        if self._free[bucket]:
+            return self._free[bucket].pop()
+        candidates = [r for r in self._ready.values() if r.bucket == bucket and r.pins == 0]
+        unneeded = [r for r in candidates if not self._needed(r.plan_index)]
+        # Evict what nobody needs; else a batch further ahead than the one wanted
+        # now (it is captured again later), so a lagging group never deadlocks.
+        victims = unneeded or sorted((r for r in candidates if r.plan_index > index), key=lambda r: -r.plan_index)
+        if not victims:
+            return None
+        victim = victims[0]
+        del self._ready[victim.plan_index]
+        return victim.buffer
+
+    def next_to_capture(self, timeout_s: float) -> tuple[int, torch.Tensor] | None:
+        """Block (bounded) until some group needs a batch that is not captured; reserve a buffer for it."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._closed:
+                for index in self._wanted():
+                    slot = self._take_slot(self._bucket_of(index), index)
+                    if slot is not None:
+                        self._capturing.add(index)
+                        return index, slot
+                    break  # lowest wanted index has no free buffer yet: wait for a release
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                start = time.monotonic()
+                self._cond.wait(remaining)
+                self.blocked_s += time.monotonic() - start
+            return None
+
+    def publish(self, ready: ReadyBatch) -> None:
+        with self._cond:
+            self._capturing.discard(ready.plan_index)
+            self._ready[ready.plan_index] = ready
+            self._cond.notify_all()
+
+    def abandon(self, index: int, buffer: torch.Tensor) -> None:
+        """The capture of ``index`` failed; return its buffer."""
+        with self._cond:
+            self._capturing.discard(index)
+            self._free[self._bucket_of(index)].append(buffer)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- observability (any thread; host values only) ----
+    def depths(self) -> tuple[int, list[int]]:
+        with self._cond:
+            per_bucket = [0] * len(self.layouts)
+            for ready in self._ready.values():
+                per_bucket[ready.bucket] += 1
+            return len(self._ready), per_bucket

@@ -1,0 +1,474 @@
+"""The target server: control socket, registrations, dispatch, capture thread.
+
+Threads:
+- control (the caller of :meth:`TargetServer.serve`): the ZeroMQ ROUTER loop.
+  It owns every registration, grants batches against credits, sends BATCH
+  metadata, heartbeats, and reaps dead drafters. It never waits on the data
+  plane or the model.
+- capture: asks the scheduler which batch some group needs, runs the target
+  forward into a pre-allocated bucket buffer, publishes it.
+- one link thread per registration: forms the pair group and sends buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from common import protocol as P
+from common.config import Config
+from common.dflash_model import build_target_layer_ids
+from common.metrics_client import MetricsPusher
+from common.packing import BatchLayout, WeightsLayout, dtype_from_name
+from common.transport import host_store, local_address_towards
+from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
+from target_server.capture import LayerCapture
+from target_server.data import build_dataset
+from target_server.link import DrafterLink, LinkEvent
+from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
+from target_server.scheduler import BatchScheduler, ReadyBatch
+
+logger = logging.getLogger(__name__)
+
+
+class StartupError(RuntimeError):
+    """A user-fixable start-up failure (port taken, bad model, bad data); the message says what to do."""
+
+
+@dataclass
+class Registration:
+    identity: bytes
+    drafter_id: str
+    group: str
+    epoch: int
+    link: DrafterLink
+    pid: int
+    registered_at: float
+    last_seen: float
+    credits: int = 0
+    inflight: set[int] = field(default_factory=set)  # dispatched, not acknowledged
+    step: int = 0
+    checkpoint_step: int = 0
+    next_tag: int = 1  # tag 0 carries the weights
+    done_sent: bool = False
+
+
+class TargetServer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.device = torch.device(cfg.target.device)
+        self.dtype = dtype_from_name(cfg.target.dtype)
+        self.transport = cfg.transport.resolve(cfg.target.device)
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._store = None
+        self._regs: dict[bytes, Registration] = {}
+        self._events: queue.Queue[LinkEvent] = queue.Queue()
+        self._epoch_counter = 0
+        self._started_at = time.monotonic()
+        self._capture_thread: threading.Thread | None = None
+        self._capture_error: BaseException | None = None
+        # Host-side counters written by the capture thread, read by the control thread.
+        self._stats_lock = threading.Lock()
+        self._captured_batches = 0
+        self._captured_tokens = 0
+        self._padded_tokens = 0
+        self._forward_s = 0.0
+        self._bytes_sent = 0
+        self._send_s = 0.0
+        self._window_start = time.monotonic()
+        self._window_tokens = 0
+        self._tokens_per_s = 0.0
+
+    # ---------------------------------------------------------------- start-up
+    def start(self) -> None:
+        cfg = self.cfg
+        if cfg.target.threads:
+            torch.set_num_threads(cfg.target.threads)
+        # Bind first: a taken port should fail in a second, not after loading the model.
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, cfg.control.max_message_bytes)
+        self._sock.setsockopt(zmq.RCVHWM, 10000)
+        try:
+            self._sock.bind(cfg.control.address)
+        except zmq.ZMQError as exc:
+            raise StartupError(
+                f"cannot bind the control socket {cfg.control.address}: {exc.strerror}; "
+                "is another target running? change control.address"
+            ) from None
+        try:
+            self._store = host_store(cfg.control.store_host, cfg.control.store_port, cfg.transport.timeout_s)
+        except RuntimeError as exc:
+            raise StartupError(str(exc)) from None
+        self._metrics = MetricsPusher(cfg.metrics.address, "target", context=self._ctx)
+
+        loaded = load_target(
+            cfg.target.model, device=cfg.target.device, dtype=self.dtype, tokenizer_source=cfg.target.tokenizer or None
+        )
+        self.loaded = loaded
+        self.layer_ids = cfg.target.target_layer_ids or build_target_layer_ids(
+            loaded.num_layers, cfg.target.num_captured_layers
+        )
+        if max(self.layer_ids) >= loaded.num_layers:
+            raise StartupError(
+                f"target.target_layer_ids {self.layer_ids} exceed the model's {loaded.num_layers} layers"
+            )
+        self.mask_token_id = pick_mask_token_id(
+            loaded.tokenizer, cfg.target.mask_token_id if cfg.target.mask_token_id >= 0 else None,
+            vocab_size=loaded.vocab_size,
+        )
+        self.capture = LayerCapture(loaded.model, self.layer_ids)
+        self.feature_dim = len(self.layer_ids) * loaded.hidden_size
+        logger.info(
+            "[startup] target %s: %d layers, hidden %d, vocab %d; capturing layers %s; mask token %d; transport %s",
+            loaded.model_id, loaded.num_layers, loaded.hidden_size, loaded.vocab_size, self.layer_ids,
+            self.mask_token_id, self.transport,
+        )
+
+        self.dataset = build_dataset(
+            loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+            heldout_fraction=cfg.data.heldout_fraction, max_samples=cfg.data.max_samples,
+        )
+        self.spec = BucketSpec(tuple(cfg.data.bucket_lengths), cfg.data.tokens_per_batch)
+        self.plan = BatchPlan(self.dataset.train_lengths(), self.spec, cfg.data.seed)
+        total = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
+        self.layouts = [BatchLayout(b, t, self.feature_dim, self.dtype) for b, t in self.spec.shapes()]
+        self.scheduler = BatchScheduler(
+            bucket_of=lambda i: self.plan.batch(i).bucket,
+            layouts=self.layouts,
+            slots_per_bucket=cfg.target.ready_batches,
+            total_batches=total,
+            device=self.device,
+        )
+        logger.info(
+            "[startup] plan: %d batches per epoch, buckets %s, epochs %s",
+            self.plan.batches_per_epoch, self.spec.shapes(), cfg.data.num_epochs or "unlimited",
+        )
+
+        embed, head, tied = embedding_weights(loaded.model)
+        self.weights_layout = WeightsLayout(loaded.vocab_size, loaded.hidden_size, tied, self.dtype)
+        self.weights_buf = self.weights_layout.allocate(self.device)
+        w_embed, w_head = self.weights_layout.views(self.weights_buf)
+        w_embed.copy_(embed)
+        if not tied:
+            w_head.copy_(head)
+        self._warm_up()
+        self._capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)
+        self._capture_thread.start()
+        self._started_at = time.monotonic()
+        logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
+
+    def _warm_up(self) -> None:
+        """Run every bucket shape once so allocator/kernel set-up is not in the first measured batch."""
+        start = time.perf_counter()
+        for layout in self.layouts:
+            buf = layout.allocate(self.device)
+            features, ids, _, _ = layout.views(buf)
+            self.capture.run(ids.long(), features)
+        logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(self.layouts), time.perf_counter() - start)
+
+    # ---------------------------------------------------------------- capture thread
+    def _capture_loop(self) -> None:
+        pad_id = self.loaded.pad_token_id
+        try:
+            while not self._stop.is_set():
+                got = self.scheduler.next_to_capture(timeout_s=0.5)
+                if got is None:
+                    continue
+                index, buf = got
+                try:
+                    planned = self.plan.batch(index)
+                    layout = self.layouts[planned.bucket]
+                    features, ids, mask, lengths = layout.views(buf)
+                    samples = [self.dataset.train[i] for i in planned.sample_ids]
+                    input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
+                    ids.copy_(input_ids)
+                    mask.copy_(loss_mask)
+                    lengths.copy_(lens)
+                    real = sum(min(len(s), layout.seq_len) for s in samples)
+                    start = time.perf_counter()
+                    self.capture.run(input_ids.to(self.device, non_blocking=True), features)
+                    elapsed = time.perf_counter() - start
+                except Exception:
+                    self.scheduler.abandon(index, buf)
+                    raise
+                self.scheduler.publish(
+                    ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout)
+                )
+                with self._stats_lock:
+                    self._captured_batches += 1
+                    self._captured_tokens += real
+                    self._padded_tokens += layout.batch_size * layout.seq_len
+                    self._forward_s += elapsed
+                    self._window_tokens += real
+        except BaseException as exc:  # surfaced by the control loop, which exits non-zero
+            self._capture_error = exc
+            logger.exception("capture thread failed")
+            self._stop.set()
+
+    # ---------------------------------------------------------------- control loop
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        assert self._sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        hb_every = self.cfg.control.heartbeat_interval_s
+        next_hb = time.monotonic() + hb_every
+        next_metrics = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            for _ in range(256):  # bounded burst so timers still run under a flood
+                if not poller.poll(timeout=0 if _ else 20):
+                    break
+                self._receive_one()
+            self._drain_link_events()
+            self._dispatch()
+            now = time.monotonic()
+            if now >= next_hb:
+                next_hb = now + hb_every
+                self._heartbeat_and_reap(now)
+            if now >= next_metrics:
+                next_metrics = now + 1.0
+                self._push_metrics(now)
+        if self._capture_error is not None:
+            raise RuntimeError(f"capture thread failed: {self._capture_error}") from self._capture_error
+
+    def _send(self, identity: bytes, msg: P.Message) -> None:
+        try:
+            self._sock.send_multipart([identity, msg.encode()], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("control send to %r dropped (peer not reading)", identity[:16])
+
+    def _receive_one(self) -> None:
+        frames = self._sock.recv_multipart()
+        identity = frames[0]
+        reg = self._regs.get(identity)
+        if len(frames) != 2:
+            logger.warning("malformed control message from %r: %d frames", identity[:16], len(frames) - 1)
+            self._send(identity, P.Error(P.E_MALFORMED, "a control message is exactly one frame"))
+            return
+        try:
+            msg = P.decode(frames[1], max_bytes=self.cfg.control.max_message_bytes)
+        except P.ProtocolError as exc:
+            who = reg.drafter_id if reg else repr(identity[:16])
+            logger.warning("bad control message from %s: %s", who, exc.message)
+            self._send(identity, P.Error(exc.code, exc.message))
+            return
+        if reg is not None:
+            reg.last_seen = time.monotonic()
+        if isinstance(msg, P.Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, P.StatusRequest):
+            self._send(identity, self._status())
+        elif reg is None:
+            self._send(identity, P.Error(P.E_STATE, f"{msg.TYPE} before HELLO: register first"))
+        elif isinstance(msg, P.Request):
+            reg.credits = min(reg.credits + max(0, msg.credits), 64)
+        elif isinstance(msg, P.Ack):
+            for batch_id in msg.batch_ids:
+                reg.inflight.discard(batch_id)
+            reg.step = msg.step
+            reg.checkpoint_step = msg.checkpoint_step
+        elif isinstance(msg, P.Heartbeat):
+            reg.step = max(reg.step, msg.step)
+        elif isinstance(msg, P.Bye):
+            logger.info("[bye] drafter %s (epoch %d): %s", reg.drafter_id, reg.epoch, msg.reason or "no reason")
+            self._drop(reg, "said BYE")
+        else:
+            self._send(identity, P.Error(P.E_STATE, f"{msg.TYPE} is not something a drafter sends"))
+
+    def _on_hello(self, identity: bytes, hello: P.Hello) -> None:
+        expected = self.cfg.shared_hash()
+        if hello.config_hash != expected:
+            message = (
+                f"config hash mismatch: drafter {hello.drafter_id} has {hello.config_hash}, target has {expected}; "
+                "start both from the same config file ([data] and [target] must match)"
+            )
+            logger.warning("[hello] refused %s", message)
+            self._send(identity, P.Error(P.E_CONFIG, message))
+            return
+        if hello.transport != self.transport:
+            message = f"transport mismatch: drafter {hello.drafter_id} uses {hello.transport}, target uses {self.transport}"
+            logger.warning("[hello] refused %s", message)
+            self._send(identity, P.Error(P.E_TRANSPORT, message))
+            return
+        for old in list(self._regs.values()):
+            if old.drafter_id == hello.drafter_id or old.identity == identity:
+                self._drop(old, "replaced by a new registration")
+        self._epoch_counter += 1
+        epoch = self._epoch_counter
+        prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
+        link = DrafterLink(
+            name=f"{hello.drafter_id}-{epoch}", transport=self.transport, store=self._store, prefix=prefix,
+            device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
+            events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
+        )
+        now = time.monotonic()
+        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step)
+        self._regs[identity] = reg
+        self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
+        link.start()
+        cfg_model = self.loaded.config
+        head_dim = getattr(cfg_model, "head_dim", None) or cfg_model.hidden_size // cfg_model.num_attention_heads
+        rope_theta = getattr(cfg_model, "rope_theta", None)
+        if rope_theta is None:
+            rope_theta = (getattr(cfg_model, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self._send(identity, P.Welcome(
+            model_id=self.loaded.model_id,
+            hidden_size=self.loaded.hidden_size,
+            num_target_layers=self.loaded.num_layers,
+            target_layer_ids=list(self.layer_ids),
+            vocab_size=self.loaded.vocab_size,
+            mask_token_id=self.mask_token_id,
+            block_size=self.cfg.drafter.block_size,
+            dtype=self.cfg.target.dtype,
+            embed_tied=self.weights_layout.tied,
+            target_arch={
+                "num_attention_heads": int(cfg_model.num_attention_heads),
+                "num_key_value_heads": int(getattr(cfg_model, "num_key_value_heads", cfg_model.num_attention_heads)),
+                "head_dim": int(head_dim),
+                "intermediate_size": int(cfg_model.intermediate_size),
+                "rms_norm_eps": float(getattr(cfg_model, "rms_norm_eps", 1e-6)),
+                "rope_theta": float(rope_theta),
+                "max_position_embeddings": int(getattr(cfg_model, "max_position_embeddings", 4096)),
+            },
+            buckets=[list(s) for s in self.spec.shapes()],
+            store_host=self.cfg.control.store_host,
+            store_port=self.cfg.control.store_port,
+            pair_prefix=prefix,
+            registration_epoch=epoch,
+            heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
+            heartbeat_timeout_s=self.cfg.control.heartbeat_timeout_s,
+        ))
+        logger.info(
+            "[hello] drafter %s (group %s, pid %d) registered as epoch %d; covers < %d (+%d more), step %d",
+            hello.drafter_id, hello.group, hello.pid, epoch, hello.covered_watermark, len(hello.covered_extra), hello.step,
+        )
+
+    def _drop(self, reg: Registration, why: str) -> None:
+        if self._regs.pop(reg.identity, None) is None:
+            return
+        reg.link.stop()
+        self.scheduler.leave(reg.group, sorted(reg.inflight))
+        logger.info(
+            "[drop] drafter %s (epoch %d) %s; %d unacknowledged batches go back to group %s",
+            reg.drafter_id, reg.epoch, why, len(reg.inflight), reg.group,
+        )
+
+    def _drain_link_events(self) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if event.ready is not None:
+                self.scheduler.release(event.ready)
+            if event.kind == "sent":
+                with self._stats_lock:
+                    self._bytes_sent += event.nbytes
+                    self._send_s += event.seconds
+            elif event.kind == "failed":
+                reg = next((r for r in self._regs.values() if r.link is event.link), None)
+                if reg is not None:
+                    self._drop(reg, f"data plane failed ({event.error})")
+
+    def _dispatch(self) -> None:
+        for reg in list(self._regs.values()):
+            while reg.credits > 0:
+                ready = self.scheduler.take_for(reg.group)
+                if ready is None:
+                    break
+                tag = reg.next_tag
+                reg.next_tag = tag + 1 if tag < (1 << 30) else 1
+                layout = ready.layout
+                self._send(reg.identity, P.Batch(
+                    batch_id=ready.plan_index, epoch=ready.epoch, bucket=ready.bucket, sample_ids=ready.sample_ids,
+                    batch_size=layout.batch_size, seq_len=layout.seq_len, feature_dim=layout.feature_dim,
+                    dtype=self.cfg.target.dtype, nbytes=layout.nbytes, tag=tag, num_tokens=ready.num_tokens,
+                ))
+                reg.link.enqueue(ready, tag)
+                reg.credits -= 1
+                reg.inflight.add(ready.plan_index)
+            if not reg.done_sent and not reg.inflight and self.scheduler.finished(reg.group):
+                reg.done_sent = True
+                self._send(reg.identity, P.Done(batches_served=self.scheduler.total_batches or 0))
+                logger.info("[done] group %s has been served every batch; told drafter %s", reg.group, reg.drafter_id)
+
+    def _heartbeat_and_reap(self, now: float) -> None:
+        timeout = self.cfg.control.heartbeat_timeout_s
+        for reg in list(self._regs.values()):
+            if now - reg.last_seen > timeout:
+                self._drop(reg, f"silent for {now - reg.last_seen:.1f}s (heartbeat timeout {timeout:.1f}s)")
+            else:
+                self._send(reg.identity, P.Heartbeat(step=self._captured_batches))
+
+    # ---------------------------------------------------------------- observability
+    def _push_metrics(self, now: float) -> None:
+        with self._stats_lock:
+            elapsed = now - self._window_start
+            self._tokens_per_s = self._window_tokens / elapsed if elapsed > 0 else 0.0
+            self._window_tokens = 0
+            self._window_start = now
+            batches = max(1, self._captured_batches)
+            values = {
+                "tokens_per_s": self._tokens_per_s,
+                "tokens_total": self._captured_tokens,
+                "batches_total": self._captured_batches,
+                "forward_ms": 1000.0 * self._forward_s / batches,
+                "padding_frac": 1.0 - self._captured_tokens / max(1, self._padded_tokens),
+                "bytes_sent": self._bytes_sent,
+                "send_gbps": self._bytes_sent / self._send_s / 1e9 if self._send_s > 0 else 0.0,
+            }
+        depth, per_bucket = self.scheduler.depths()
+        values["queue_depth"] = depth
+        for i, d in enumerate(per_bucket):
+            values[f"bucket_depth/{i}"] = d
+        values["blocked_s"] = self.scheduler.blocked_s
+        values["drafters_connected"] = len(self._regs)
+        self._metrics.send(values, step=self._captured_batches)
+
+    def _status(self) -> P.Status:
+        now = time.monotonic()
+        depth, per_bucket = self.scheduler.depths()
+        return P.Status(
+            uptime_s=now - self._started_at,
+            tokens_per_s=self._tokens_per_s,
+            queue_depth=depth,
+            bucket_depths=per_bucket,
+            drafters=[
+                {
+                    "id": r.drafter_id, "group": r.group, "epoch": r.epoch, "pid": r.pid, "step": r.step,
+                    "checkpoint_step": r.checkpoint_step, "inflight": len(r.inflight),
+                    "heartbeat_age_s": round(now - r.last_seen, 2),
+                }
+                for r in self._regs.values()
+            ],
+        )
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        self._stop.set()
+        if hasattr(self, "scheduler"):
+            self.scheduler.close()
+        for reg in list(self._regs.values()):
+            self._send(reg.identity, P.Bye(reason="target shutting down"))
+            self._drop(reg, "target shutting down")
+        if self._capture_thread is not None:
+            self._capture_thread.join(timeout=30)
+        if hasattr(self, "_metrics"):
+            self._metrics.close()
+        if self._sock is not None:
+            self._sock.close(linger=200)
+            self._sock = None
+        self._ctx.term()
