@@ -224,10 +224,28 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string in plain ASCII. (json.dumps is not TOML: it writes
+    characters beyond the BMP as surrogate pairs, which TOML refuses.)"""
+    out = ['"']
+    for ch in text:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -301,12 +319,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     parsed = [parse_override(o) for o in overrides]
     for key, value in parsed:
@@ -316,8 +334,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if not isinstance(per_drafter, dict):
         raise ConfigError("[drafters] must hold one table per drafter id, e.g. [drafters.d1]")
     drafter_raw = raw.setdefault("drafter", {})
+    if not isinstance(drafter_raw, dict):
+        raise ConfigError(f"[drafter] must be a table, got {drafter_raw!r}")
     drafter_id = drafter_raw.get("id", DrafterConfig.id)
-    if drafter_id in per_drafter:
+    if isinstance(drafter_id, str) and drafter_id in per_drafter:
         specific = per_drafter[drafter_id]
         if not isinstance(specific, dict):
             raise ConfigError(f"[drafters.{drafter_id}] must be a table")

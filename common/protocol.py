@@ -174,10 +174,33 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
+def _plain(value: Any) -> bool:
+    """True if ``value`` holds only maps with string keys, lists, strings, numbers, booleans and nil.
+
+    msgpack decodes its timestamp extension (type -1) into a ``Timestamp``
+    without calling ``ext_hook``, and bin data into ``bytes``; neither may
+    reach a free-form (``Any``) field. Iterative: nesting may be ~1000 deep.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if item is None or isinstance(item, (bool, int, float, str)):
+            continue
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if not all(isinstance(k, str) for k in item):
+                return False
+            stack.extend(item.values())
+        else:
+            return False
+    return True
+
+
 def _check(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if hint is Any:
-        return True
+        return _plain(value)
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_check(v, item) for v in value)

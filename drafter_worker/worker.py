@@ -163,6 +163,10 @@ class DrafterWorker:
                 receiver.stop()
             if pair is not None:
                 pair.abort()
+            if receiver is not None:
+                # Join so the process group is released on this thread: a daemon thread
+                # freeing it during interpreter shutdown aborts the process.
+                receiver.join(timeout=self.cfg.transport.timeout_s)
             if not said_bye and self._stop.is_set():
                 try:
                     sock.send(P.Bye(reason="stopping").encode(), flags=zmq.NOBLOCK)

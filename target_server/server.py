@@ -71,6 +71,7 @@ class TargetServer:
         self._sock: zmq.Socket | None = None
         self._store = None
         self._regs: dict[bytes, Registration] = {}
+        self._stopped_links: list[DrafterLink] = []  # joined at close
         self._events: queue.Queue[LinkEvent] = queue.Queue()
         self._epoch_counter = 0
         self._started_at = time.monotonic()
@@ -226,7 +227,9 @@ class TargetServer:
         poller.register(self._sock, zmq.POLLIN)
         hb_every = self.cfg.control.heartbeat_interval_s
         next_hb = time.monotonic() + hb_every
-        next_metrics = time.monotonic() + 1.0
+        # Throughput is a rate over the metrics window: one batch can take longer than a second on CPU.
+        metrics_every = max(1.0, self.cfg.metrics.window_s)
+        next_metrics = time.monotonic() + metrics_every
         while not self._stop.is_set():
             for _ in range(256):  # bounded burst so timers still run under a flood
                 if not poller.poll(timeout=0 if _ else 20):
@@ -239,7 +242,7 @@ class TargetServer:
                 next_hb = now + hb_every
                 self._heartbeat_and_reap(now)
             if now >= next_metrics:
-                next_metrics = now + 1.0
+                next_metrics = now + metrics_every
                 self._push_metrics(now)
         if self._capture_error is not None:
             raise RuntimeError(f"capture thread failed: {self._capture_error}") from self._capture_error
@@ -360,6 +363,7 @@ class TargetServer:
         if self._regs.pop(reg.identity, None) is None:
             return
         reg.link.stop()
+        self._stopped_links = [l for l in self._stopped_links if l.is_alive()] + [reg.link]
         self.scheduler.leave(reg.group, sorted(reg.inflight))
         logger.info(
             "[drop] drafter %s (epoch %d) %s; %d unacknowledged batches go back to group %s",
@@ -466,6 +470,9 @@ class TargetServer:
             self._drop(reg, "target shutting down")
         if self._capture_thread is not None:
             self._capture_thread.join(timeout=30)
+        # Link threads own process groups; let them finish before the interpreter does.
+        for link in self._stopped_links:
+            link.join(timeout=self.cfg.transport.timeout_s)
         if hasattr(self, "_metrics"):
             self._metrics.close()
         if self._sock is not None:
