@@ -60,6 +60,7 @@ class ControlConfig:
     handshake_timeout_s: float = _doc("how long a drafter waits for WELCOME before retrying", 30.0)
     reconnect_backoff_max_s: float = _doc("cap of the exponential backoff while the target is away", 5.0)
     max_message_bytes: int = _doc("control frames larger than this are refused", 1 << 20)
+    max_drafters: int = _doc("registrations the target accepts at once (bounds what a HELLO flood can hold)", 64)
 
     def __post_init__(self) -> None:
         _require(self.address.startswith(("tcp://", "ipc://")), "control.address", "must start with tcp:// or ipc://", self.address)
@@ -72,6 +73,7 @@ class ControlConfig:
             self.heartbeat_timeout_s,
         )
         _require(self.handshake_timeout_s > 0, "control.handshake_timeout_s", "must be > 0", self.handshake_timeout_s)
+        _require(self.max_drafters >= 1, "control.max_drafters", "must be >= 1", self.max_drafters)
         _require(self.max_message_bytes >= 4096, "control.max_message_bytes", "must be >= 4096", self.max_message_bytes)
 
 
@@ -116,6 +118,7 @@ class TargetConfig:
     mask_token_id: int = _doc("token id used for the masked block slots; -1 picks an unused special token", -1)
     threads: int = _doc("torch CPU threads for the target; 0 keeps torch's default", 0)
     ready_batches: int = _doc("captured-batch buffers per length bucket (how far the target may run ahead)", 3)
+    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds or exit hard", 30.0)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "target.model", "must be set", self.model)
@@ -124,6 +127,7 @@ class TargetConfig:
         _require(all(i >= 0 for i in self.target_layer_ids), "target.target_layer_ids", "must be non-negative", self.target_layer_ids)
         _require(self.threads >= 0, "target.threads", "must be >= 0", self.threads)
         _require(self.ready_batches >= 1, "target.ready_batches", "must be >= 1", self.ready_batches)
+        _require(self.stop_timeout_s > 0, "target.stop_timeout_s", "must be > 0", self.stop_timeout_s)
 
 
 @dataclass

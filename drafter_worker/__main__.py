@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
+import threading
 import sys
 
 from common.config import ConfigError, load_config
 from common.logging_setup import setup_logging
+from common.shutdown import install_stop_handlers, mark_exited
 
 logger = logging.getLogger("drafter_worker")
 
@@ -33,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from drafter_worker.worker import DrafterWorker, FatalError
 
     worker = DrafterWorker(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.request_stop())
+    install_stop_handlers(worker.stop_event, cfg.drafter.stop_timeout_s, f"drafter {cfg.drafter.id}")
     try:
         outcome = worker.run()
     except FatalError as exc:
@@ -46,8 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         worker.close()
         raise
     worker.close()
+    mark_exited()
     logger.info("[shutdown] drafter %s finished (%s) at step %d", cfg.drafter.id, outcome,
                 worker.trainer.step if worker.trainer else 0)
+    if [t for t in worker.threads_left if any(a.name == t and a.is_alive() for a in threading.enumerate())]:
+        # A receive still inside a bounded C++ wait would abort interpreter shutdown;
+        # the checkpoint is written, so leave without it.
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

@@ -105,6 +105,11 @@ class DrafterWorker:
         self._started = time.monotonic()
         self._first_step_at: float | None = None
         self.outcome = "running"
+        self.threads_left: list[str] = []
+
+    @property
+    def stop_event(self) -> threading.Event:
+        return self._stop
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -166,7 +171,9 @@ class DrafterWorker:
             if receiver is not None:
                 # Join so the process group is released on this thread: a daemon thread
                 # freeing it during interpreter shutdown aborts the process.
-                receiver.join(timeout=self.cfg.transport.timeout_s)
+                receiver.join(timeout=min(self.cfg.transport.timeout_s, 0.3 * self.dcfg.stop_timeout_s))
+                if receiver.is_alive():
+                    self.threads_left.append(receiver.name)
             if not said_bye and self._stop.is_set():
                 try:
                     sock.send(P.Bye(reason="stopping").encode(), flags=zmq.NOBLOCK)

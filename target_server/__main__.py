@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import sys
 
 from common.config import ConfigError, load_config
 from common.logging_setup import setup_logging
+from common.shutdown import install_stop_handlers, mark_exited
 
 logger = logging.getLogger("target_server")
 
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = TargetServer(cfg)
     # Handlers only set a flag; the control loop notices within one poll.
-    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
+    install_stop_handlers(server.stop_event, cfg.target.stop_timeout_s, "target")
     try:
         server.start()
         server.serve()
@@ -51,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         raise
     else:
         server.close()
+    mark_exited()
     logger.info("[shutdown] target server stopped cleanly")
+    if server.threads_left:
+        # A thread still inside a bounded C++ wait would abort the interpreter's
+        # shutdown; everything durable is done, so leave without it.
+        logger.info("[shutdown] not waiting for %s", ", ".join(server.threads_left))
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import queue
 import threading
 import time
@@ -36,6 +37,8 @@ from target_server.model_loader import embedding_weights, load_target, pick_mask
 from target_server.scheduler import BatchScheduler, ReadyBatch
 
 logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class StartupError(RuntimeError):
@@ -72,11 +75,14 @@ class TargetServer:
         self._store = None
         self._regs: dict[bytes, Registration] = {}
         self._stopped_links: list[DrafterLink] = []  # joined at close
+        self._offenders: set[bytes] = set()
+        self._last_hello: dict[str, float] = {}
         self._events: queue.Queue[LinkEvent] = queue.Queue()
         self._epoch_counter = 0
         self._started_at = time.monotonic()
         self._capture_thread: threading.Thread | None = None
         self._capture_error: BaseException | None = None
+        self.threads_left: list[str] = []
         # Host-side counters written by the capture thread, read by the control thread.
         self._stats_lock = threading.Lock()
         self._captured_batches = 0
@@ -218,6 +224,10 @@ class TargetServer:
             self._stop.set()
 
     # ---------------------------------------------------------------- control loop
+    @property
+    def stop_event(self) -> threading.Event:
+        return self._stop
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -258,15 +268,12 @@ class TargetServer:
         identity = frames[0]
         reg = self._regs.get(identity)
         if len(frames) != 2:
-            logger.warning("malformed control message from %r: %d frames", identity[:16], len(frames) - 1)
-            self._send(identity, P.Error(P.E_MALFORMED, "a control message is exactly one frame"))
+            self._complain(identity, reg, P.E_MALFORMED, f"a control message is exactly one frame, got {len(frames) - 1}")
             return
         try:
             msg = P.decode(frames[1], max_bytes=self.cfg.control.max_message_bytes)
         except P.ProtocolError as exc:
-            who = reg.drafter_id if reg else repr(identity[:16])
-            logger.warning("bad control message from %s: %s", who, exc.message)
-            self._send(identity, P.Error(exc.code, exc.message))
+            self._complain(identity, reg, exc.code, exc.message)
             return
         if reg is not None:
             reg.last_seen = time.monotonic()
@@ -275,7 +282,7 @@ class TargetServer:
         elif isinstance(msg, P.StatusRequest):
             self._send(identity, self._status())
         elif reg is None:
-            self._send(identity, P.Error(P.E_STATE, f"{msg.TYPE} before HELLO: register first"))
+            self._complain(identity, reg, P.E_STATE, f"{msg.TYPE} before HELLO: register first")
         elif isinstance(msg, P.Request):
             reg.credits = min(reg.credits + max(0, msg.credits), 64)
         elif isinstance(msg, P.Ack):
@@ -289,9 +296,35 @@ class TargetServer:
             logger.info("[bye] drafter %s (epoch %d): %s", reg.drafter_id, reg.epoch, msg.reason or "no reason")
             self._drop(reg, "said BYE")
         else:
-            self._send(identity, P.Error(P.E_STATE, f"{msg.TYPE} is not something a drafter sends"))
+            self._complain(identity, reg, P.E_STATE, f"{msg.TYPE} is not something a drafter sends")
+
+    def _complain(self, identity: bytes, reg: Registration | None, code: str, message: str) -> None:
+        """Reply ERROR; log only the first offence of each peer so a flood cannot flood the log."""
+        self._send(identity, P.Error(code, message))
+        if identity in self._offenders:
+            return
+        if len(self._offenders) >= 4096:  # bounded memory under a flood of fresh identities
+            self._offenders.clear()
+        self._offenders.add(identity)
+        who = f"drafter {reg.drafter_id}" if reg else f"peer {identity[:24]!r}"
+        logger.warning("[bad-message] %s: %s (%s); later offences of this peer are not logged", who, message, code)
 
     def _on_hello(self, identity: bytes, hello: P.Hello) -> None:
+        for name, value in (("drafter_id", hello.drafter_id), ("group", hello.group)):
+            if not _NAME.fullmatch(value):
+                self._complain(identity, None, P.E_MALFORMED, f"HELLO.{name} must match {_NAME.pattern}, got {value[:40]!r}")
+                return
+        now = time.monotonic()
+        if now - self._last_hello.get(hello.drafter_id, -1e9) < 1.0:
+            self._complain(identity, None, P.E_BUSY, f"drafter {hello.drafter_id} re-registers too fast; retry in a second")
+            return
+        known = {r.drafter_id for r in self._regs.values()}
+        if hello.drafter_id not in known and len(known) >= self.cfg.control.max_drafters:
+            self._complain(identity, None, P.E_BUSY, f"target already serves control.max_drafters={len(known)} drafters")
+            return
+        self._last_hello[hello.drafter_id] = now
+        if len(self._last_hello) > 4 * self.cfg.control.max_drafters:
+            self._last_hello = {k: v for k, v in self._last_hello.items() if now - v < 1.0}
         expected = self.cfg.shared_hash()
         if hello.config_hash != expected:
             message = (
@@ -455,6 +488,7 @@ class TargetServer:
                     "id": r.drafter_id, "group": r.group, "epoch": r.epoch, "pid": r.pid, "step": r.step,
                     "checkpoint_step": r.checkpoint_step, "inflight": len(r.inflight),
                     "heartbeat_age_s": round(now - r.last_seen, 2),
+                    "state": _drafter_state(r),
                 }
                 for r in self._regs.values()
             ],
@@ -468,14 +502,25 @@ class TargetServer:
         for reg in list(self._regs.values()):
             self._send(reg.identity, P.Bye(reason="target shutting down"))
             self._drop(reg, "target shutting down")
-        if self._capture_thread is not None:
-            self._capture_thread.join(timeout=30)
-        # Link threads own process groups; let them finish before the interpreter does.
-        for link in self._stopped_links:
-            link.join(timeout=self.cfg.transport.timeout_s)
+        # Link threads own process groups; let them finish before the interpreter does
+        # (one still forming a pair may sit in a bounded C++ wait: give up after a while).
+        deadline = time.monotonic() + 0.5 * self.cfg.target.stop_timeout_s
+        threads = [t for t in (self._capture_thread, *self._stopped_links) if t is not None]
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.threads_left = [t.name for t in threads if t.is_alive()]
         if hasattr(self, "_metrics"):
             self._metrics.close()
         if self._sock is not None:
             self._sock.close(linger=200)
             self._sock = None
         self._ctx.term()
+
+
+def _drafter_state(reg: Registration) -> str:
+    """One word for STATUS: where this registration is in its life."""
+    if reg.done_sent:
+        return "done"
+    if not reg.link.paired:
+        return "forming pair"
+    return "training"

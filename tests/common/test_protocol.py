@@ -1,0 +1,376 @@
+"""Tests for common/protocol.py: round trips, and every way a frame can be refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import typing
+
+import msgpack
+import pytest
+
+from common import protocol as P
+from common.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, decode
+
+# One valid instance per message type, with every field set (non-default values).
+SAMPLES: dict[str, P.Message] = {
+    "HELLO": P.Hello(
+        drafter_id="d0", group="g0", config_hash="0123456789abcdef", transport="gloo", pid=4242,
+        covered_watermark=17, covered_extra=[19, 23], step=40,
+    ),
+    "WELCOME": P.Welcome(
+        model_id="smollm2", hidden_size=576, num_target_layers=30, target_layer_ids=[1, 7, 14, 20, 27],
+        vocab_size=49152, mask_token_id=2, block_size=16, dtype="float32", embed_tied=True,
+        target_arch={"num_attention_heads": 9, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "name": "llama",
+                     "nested": {"a": [1, 2.5, None, True]}},
+        buckets=[[12, 64], [6, 128], [4, 192]], store_host="127.0.0.1", store_port=5556,
+        pair_prefix="pair/d0/3", registration_epoch=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0,
+    ),
+    "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
+    "REQUEST": P.Request(credits=2),
+    "BATCH": P.Batch(
+        batch_id=7, epoch=0, bucket=1, sample_ids=[3, 1, 4, 1, 5, 9], batch_size=6, seq_len=128,
+        feature_dim=2880, dtype="bfloat16", nbytes=4_500_000, tag=12, num_tokens=700,
+    ),
+    "ACK": P.Ack(batch_ids=[5, 6, 7], step=12, checkpoint_step=10),
+    "HEARTBEAT": P.Heartbeat(step=99),
+    "BYE": P.Bye(reason="sigterm"),
+    "DONE": P.Done(batches_served=1234),
+    "STATUS_REQUEST": P.StatusRequest(),
+    "STATUS": P.Status(
+        uptime_s=12.5, tokens_per_s=3000.25, queue_depth=3, bucket_depths=[1, 2, 0],
+        drafters=[{"id": "d0", "group": "d0", "step": 5, "heartbeat_age_s": 0.25}],
+    ),
+}
+
+
+def frame(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def body_of(msg: P.Message) -> dict:
+    return msgpack.unpackb(msg.encode(), raw=False)
+
+
+def code_of(data: bytes, **kwargs) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode(data, **kwargs)
+    return info.value.code
+
+
+def test_samples_cover_every_message_type():
+    assert set(SAMPLES) == set(MESSAGE_TYPES)
+    for name, msg in SAMPLES.items():
+        assert type(msg) is MESSAGE_TYPES[name]
+        assert msg.TYPE == name
+
+
+# ---------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_round_trip(name):
+    msg = SAMPLES[name]
+    back = decode(msg.encode())
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_encode_is_plain_msgpack(name):
+    # No pickle anywhere: the frame is one msgpack map of plain values.
+    data = SAMPLES[name].encode()
+    assert b"\x80\x04" not in data[:2]  # not a pickle protocol header
+    body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    assert isinstance(body, dict)
+    assert body["type"] == name
+    assert body["v"] == PROTOCOL_VERSION
+    assert set(body) == {"type", "v"} | {f.name for f in dataclasses.fields(MESSAGE_TYPES[name])}
+
+
+@pytest.mark.parametrize("name", ["HELLO", "HEARTBEAT", "BYE", "DONE"])
+def test_defaults_fill_omitted_optional_fields(name):
+    cls = MESSAGE_TYPES[name]
+    required = {
+        f.name: getattr(SAMPLES[name], f.name)
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    back = decode(frame({"type": name, "v": PROTOCOL_VERSION, **required}))
+    assert back == cls(**required)
+
+
+def test_int_accepted_for_float_field():
+    body = body_of(SAMPLES["STATUS"])
+    body["uptime_s"] = 3
+    assert decode(frame(body)).uptime_s == 3
+
+
+def test_max_bytes_boundary():
+    data = SAMPLES["WELCOME"].encode()
+    assert decode(data, max_bytes=len(data)) == SAMPLES["WELCOME"]
+    assert code_of(data, max_bytes=len(data) - 1) == P.E_TOO_LARGE
+
+
+# ---------------------------------------------------------------------------
+# Refusals
+# ---------------------------------------------------------------------------
+
+ALL_CODES = {P.E_MALFORMED, P.E_UNKNOWN_TYPE, P.E_VERSION, P.E_TOO_LARGE}
+
+
+def test_random_bytes_are_refused():
+    rng = random.Random(1234)
+    codes = set()
+    for i in range(3000):
+        n = rng.choice([0, 1, 2, 3, 5, 8, 16, 64, 300])
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        if i % 3 == 0 and n:
+            # Start with a map header so the decoder gets past the first byte more often.
+            data = bytes([0x80 | rng.randrange(16)]) + data
+        try:
+            decode(data)
+        except ProtocolError as exc:
+            codes.add(exc.code)
+        else:  # pragma: no cover - would be an astonishing coincidence
+            pytest.fail(f"random frame {data!r} decoded")
+    assert codes <= ALL_CODES
+    assert P.E_MALFORMED in codes
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_truncated_frames_are_refused(name):
+    data = SAMPLES[name].encode()
+    for cut in range(len(data)):
+        assert code_of(data[:cut]) == P.E_MALFORMED, cut
+
+
+def test_trailing_garbage_is_refused():
+    data = SAMPLES["ACK"].encode()
+    assert code_of(data + b"\x00") == P.E_MALFORMED
+    assert code_of(data + data) == P.E_MALFORMED
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [{"type": "ACK", "v": 1}],
+        ["ACK", 1],
+        "ACK",
+        42,
+        None,
+        b"raw",
+        3.5,
+    ],
+)
+def test_non_map_is_refused(value):
+    assert code_of(frame(value)) == P.E_MALFORMED
+
+
+def test_map_without_type_is_refused():
+    body = body_of(SAMPLES["ACK"])
+    del body["type"]
+    assert code_of(frame(body)) == P.E_MALFORMED
+
+
+@pytest.mark.parametrize("kind", [5, None, b"ACK", ["ACK"]])
+def test_non_string_type_is_refused(kind):
+    body = body_of(SAMPLES["ACK"])
+    body["type"] = kind
+    assert code_of(frame(body)) == P.E_MALFORMED
+
+
+@pytest.mark.parametrize("version", [0, 2, PROTOCOL_VERSION + 1, "1", 1.5, None, [1]])
+def test_wrong_version_is_refused(version):
+    body = body_of(SAMPLES["ACK"])
+    if version is None:
+        del body["v"]
+    else:
+        body["v"] = version
+    with pytest.raises(ProtocolError) as info:
+        decode(frame(body))
+    assert info.value.code == P.E_VERSION
+    assert str(PROTOCOL_VERSION) in info.value.message
+
+
+@pytest.mark.parametrize("kind", ["NOPE", "hello", "", "X" * 10_000, "__class__", "Message"])
+def test_unknown_type_is_refused(kind):
+    body = body_of(SAMPLES["ACK"])
+    body["type"] = kind
+    with pytest.raises(ProtocolError) as info:
+        decode(frame(body))
+    assert info.value.code == P.E_UNKNOWN_TYPE
+    assert len(info.value.message) < 200  # the echoed name is clipped
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_missing_required_field_is_refused(name):
+    cls = MESSAGE_TYPES[name]
+    required = [
+        f.name for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    for field_name in required:
+        body = body_of(SAMPLES[name])
+        del body[field_name]
+        with pytest.raises(ProtocolError) as info:
+            decode(frame(body))
+        assert info.value.code == P.E_MALFORMED
+        assert field_name in info.value.message
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_extra_field_is_refused(name):
+    body = body_of(SAMPLES[name])
+    body["surprise"] = 1
+    with pytest.raises(ProtocolError) as info:
+        decode(frame(body))
+    assert info.value.code == P.E_MALFORMED
+    assert "surprise" in info.value.message
+
+
+def test_bytes_key_is_refused():
+    body = body_of(SAMPLES["ACK"])
+    body[b"step"] = body.pop("step")
+    assert code_of(frame(body)) == P.E_MALFORMED
+
+
+def test_non_string_key_is_refused():
+    # strict_map_key: an int key makes msgpack itself refuse the frame.
+    data = msgpack.packb({"type": "ACK", "v": 1, 5: 1}, use_bin_type=True, strict_types=False)
+    assert code_of(data) == P.E_MALFORMED
+
+
+# A wrong value for each field kind; every one must be refused with E_MALFORMED.
+WRONG_VALUES = [
+    ("REQUEST", "credits", "2"),  # str where int
+    ("REQUEST", "credits", True),  # bool where int
+    ("REQUEST", "credits", 2.0),  # float where int
+    ("REQUEST", "credits", None),
+    ("REQUEST", "credits", [2]),
+    ("ACK", "batch_ids", ["1", "2"]),  # list of str where list of int
+    ("ACK", "batch_ids", [1, True]),  # bool inside a list of int
+    ("ACK", "batch_ids", 3),  # scalar where list
+    ("ACK", "batch_ids", {"0": 1}),
+    ("ACK", "step", b"\x01"),  # bin where int
+    ("HELLO", "drafter_id", 7),  # int where str
+    ("HELLO", "drafter_id", b"d0"),  # bin where str
+    ("HELLO", "covered_extra", [1.5]),
+    ("WELCOME", "embed_tied", 1),  # int where bool
+    ("WELCOME", "heartbeat_interval_s", "1.0"),  # str where float
+    ("WELCOME", "heartbeat_interval_s", True),  # bool where float
+    ("WELCOME", "buckets", [[1, 2], 3]),  # list of list of int
+    ("WELCOME", "buckets", [[1, "2"]]),
+    ("WELCOME", "target_arch", [1, 2]),  # list where dict
+    ("WELCOME", "target_arch", {"x": b"raw"}),  # bin inside a free-form map
+    ("STATUS", "drafters", [{"id": "d0"}, 5]),
+    ("STATUS", "drafters", [{"id": {"deep": [b"raw"]}}]),
+    ("BATCH", "sample_ids", [1, None]),
+    ("BYE", "reason", None),
+]
+
+
+@pytest.mark.parametrize("name, field_name, value", WRONG_VALUES)
+def test_wrong_field_type_is_refused(name, field_name, value):
+    body = body_of(SAMPLES[name])
+    body[field_name] = value
+    with pytest.raises(ProtocolError) as info:
+        decode(frame(body))
+    assert info.value.code == P.E_MALFORMED
+    assert f"{name}.{field_name}" in info.value.message
+
+
+def test_every_scalar_field_refuses_a_value_of_another_kind():
+    wrong_for = {int: "1", float: "1.0", str: 1, bool: "yes"}
+    checked = 0
+    for name, cls in MESSAGE_TYPES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if hint not in wrong_for:
+                continue
+            body = body_of(SAMPLES[name])
+            body[f.name] = wrong_for[hint]
+            assert code_of(frame(body)) == P.E_MALFORMED, (name, f.name)
+            checked += 1
+    assert checked > 30
+
+
+def test_oversized_frame_is_refused_before_parsing():
+    # A huge, otherwise valid message; the size check must come first.
+    big = P.Ack(batch_ids=list(range(300_000)), step=1, checkpoint_step=0).encode()
+    assert len(big) > 1 << 20
+    assert code_of(big) == P.E_TOO_LARGE
+    assert code_of(b"\xc1" * 100, max_bytes=10) == P.E_TOO_LARGE  # even garbage: size first
+    assert decode(big, max_bytes=len(big)).batch_ids[-1] == 299_999
+
+
+def test_ext_types_are_refused_not_executed():
+    hooks: list[int] = []
+
+    # An ext hook of our own proves msgpack would otherwise hand the ext to the application.
+    def spy(code, data):
+        hooks.append(code)
+        return msgpack.ExtType(code, data)
+
+    for code in (0, 1, 42, 127):
+        ext = msgpack.ExtType(code, b"cos\nsystem\n(S'echo pwned'\ntR.")  # a pickle payload in an ext
+        for body in (
+            ext,
+            {"type": "BYE", "v": 1, "reason": ext},
+            {"type": "WELCOME", "v": 1, "target_arch": {"x": ext}},
+            {"type": ext, "v": 1},
+        ):
+            data = frame(body)
+            msgpack.unpackb(data, ext_hook=spy, strict_map_key=False)
+            with pytest.raises(ProtocolError) as info:
+                decode(data)
+            assert info.value.code == P.E_MALFORMED
+    assert hooks  # the spy saw them; decode refused them
+
+
+def test_timestamp_ext_is_refused():
+    # Regression: msgpack decodes ext type -1 (timestamp) itself, without calling
+    # ext_hook, so a Timestamp object reached free-form (Any) fields.
+    ts = msgpack.Timestamp(1, 0)
+    for body in (
+        {"type": "BYE", "v": 1, "reason": ts},
+        {**body_of(SAMPLES["WELCOME"]), "target_arch": {"when": ts}},
+        {**body_of(SAMPLES["STATUS"]), "drafters": [{"id": "d0", "since": ts}]},
+        {"type": "HEARTBEAT", "v": ts},
+        ts,
+    ):
+        data = frame(body)
+        with pytest.raises(ProtocolError) as info:
+            decode(data)
+        assert info.value.code in (P.E_MALFORMED, P.E_VERSION)
+
+
+def test_free_form_fields_accept_deep_plain_values():
+    # ~1000 levels is what msgpack allows; the plain-value check must not recurse into a RecursionError.
+    nested: object = 1
+    for _ in range(1000):
+        nested = [nested]
+    body = body_of(SAMPLES["WELCOME"])
+    body["target_arch"] = {"deep": nested}
+    got = decode(frame(body)).target_arch["deep"]
+    depth = 0
+    while isinstance(got, list):
+        (got,) = got
+        depth += 1
+    assert (depth, got) == (1000, 1)
+
+
+def test_deep_nesting_beyond_msgpack_limit_is_refused():
+    data = b"\x81\xa4type" + b"\x91" * 5000 + b"\x01"
+    assert code_of(data) == P.E_MALFORMED
+
+
+def test_protocol_error_carries_code_and_message():
+    exc = ProtocolError(P.E_BUSY, "try later")
+    assert isinstance(exc, ValueError)
+    assert exc.code == P.E_BUSY
+    assert exc.message == "try later"
+    assert str(exc) == "try later"
