@@ -78,6 +78,15 @@ class ControlConfig:
 
 
 @dataclass
+class SecurityConfig:
+    curve_dir: str = _doc("directory of ZeroMQ CURVE keys (python -m common.sockets keys DIR); required to bind non-loopback addresses", "")
+
+    def __post_init__(self) -> None:
+        if self.curve_dir:
+            _require(Path(self.curve_dir).is_dir(), "security.curve_dir", "must be an existing directory of CURVE keys", self.curve_dir)
+
+
+@dataclass
 class TransportConfig:
     kind: str = _doc("data plane: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'", "auto")
     timeout_s: float = _doc("bound on every data-plane wait (pair formation, send, receive)", 60.0)
@@ -198,6 +207,7 @@ class DrafterConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     target: TargetConfig = field(default_factory=TargetConfig)

@@ -27,6 +27,8 @@ from typing import Any, Mapping
 import msgpack
 import zmq
 
+from common.sockets import SocketFactory
+
 logger = logging.getLogger(__name__)
 
 METRICS_TYPE = "metrics"
@@ -183,6 +185,7 @@ class MetricsPusher:
         hwm: int = 1000,
         context: zmq.Context | None = None,
         linger_ms: int = 0,
+        sockets: "SocketFactory | None" = None,
     ) -> None:
         try:
             self.source = validate_source(source)
@@ -194,15 +197,11 @@ class MetricsPusher:
         self.sent = 0
         self.dropped_total = 0
         self._dropped_since_sent = 0
-        ctx = context if context is not None else zmq.Context.instance()
-        self._sock: zmq.Socket | None = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, hwm)
-        self._sock.setsockopt(zmq.LINGER, linger_ms)
+        if sockets is None:
+            sockets = SocketFactory(context if context is not None else zmq.Context.instance())
         try:
-            self._sock.connect(address)
+            self._sock: zmq.Socket | None = sockets.connect(zmq.PUSH, address, SNDHWM=hwm, LINGER=linger_ms)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            self._sock = None
             raise ValueError(f"MetricsPusher cannot connect to {address!r}: {exc}") from None
 
     @property

@@ -238,7 +238,7 @@ def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
     kind = body.pop("type", None)
     if not isinstance(kind, str):
         raise ProtocolError(E_MALFORMED, "message has no string 'type' field")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {version!r} does not match this side's {PROTOCOL_VERSION}")
     cls = MESSAGE_TYPES.get(kind)
     if cls is None:

@@ -24,6 +24,7 @@ from common import protocol as P
 from common.config import Config
 from common.dflash_model import DFlashDrafter, make_drafter_config
 from common.metrics_client import MetricsPusher
+from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
@@ -87,7 +88,8 @@ class DrafterWorker:
         self.run_dir = cfg.run.path
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._metrics = MetricsPusher(cfg.metrics.address, f"drafter/{self.dcfg.id}", context=self._ctx)
+        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir)
+        self._metrics = MetricsPusher(cfg.metrics.address, f"drafter/{self.dcfg.id}", sockets=self._sockets)
         self.checkpoints = CheckpointStore(self.run_dir, self.dcfg.id, self.dcfg.keep_checkpoints)
         self.ledger = Ledger(self.run_dir, self.dcfg.id)
         self.trainer: DrafterTrainer | None = None
@@ -138,10 +140,10 @@ class DrafterWorker:
 
     # ---------------------------------------------------------------- one registration
     def _session(self) -> str:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.IDENTITY, f"{self.dcfg.id}-{uuid.uuid4().hex[:8]}".encode())
-        sock.connect(self.cfg.control.address)
+        sock = self._sockets.connect(
+            zmq.DEALER, self.cfg.control.address, LINGER=500,
+            IDENTITY=f"{self.dcfg.id}-{uuid.uuid4().hex[:8]}".encode(),
+        )
         receiver: Receiver | None = None
         pair: PairGroup | None = None
         said_bye = False
@@ -411,4 +413,5 @@ class DrafterWorker:
 
     def close(self) -> None:
         self._metrics.close()
+        self._sockets.close()
         self._ctx.term()

@@ -14,8 +14,11 @@ import sys
 import threading
 from pathlib import Path
 
+import zmq
+
 from common.config import ConfigError, load_config
 from common.logging_setup import setup_logging
+from common.sockets import SocketFactory
 from metrics_sidecar.sidecar import MetricsSidecar, SidecarBindError
 
 logger = logging.getLogger("metrics_sidecar")
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             wandb_entity=args.wandb_entity or cfg.metrics.wandb_entity or None,
             wandb_config=_wandb_config(cfg, args.config),
             stop_event=stop,
+            sockets=SocketFactory(zmq.Context.instance(), cfg.security.curve_dir),
         )
     except SidecarBindError as exc:
         logger.error("%s", exc)

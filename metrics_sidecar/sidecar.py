@@ -18,6 +18,8 @@ from typing import Any
 
 import zmq
 
+from common.sockets import SecurityError, SocketFactory
+
 from common.metrics_client import MalformedRecord, parse_metrics_record
 from metrics_sidecar.aggregate import WindowAggregator
 from metrics_sidecar.jsonl_log import JsonlLog
@@ -63,6 +65,7 @@ class MetricsSidecar:
         wandb_retries: int = 3,
         close_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
+        sockets: SocketFactory | None = None,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
@@ -91,18 +94,15 @@ class MetricsSidecar:
         self._malformed_in_window = 0
         self._dropped_in_window: dict[str, int] = {}
 
-        ctx = context if context is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+        if sockets is None:
+            sockets = SocketFactory(context if context is not None else zmq.Context.instance())
+        self._sockets = sockets
         try:
-            sock.bind(address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            sock = sockets.bind(zmq.PULL, address, "metrics socket",
+                                LINGER=0, RCVHWM=_RCVHWM, MAXMSGSIZE=_MAX_FRAME_BYTES)
+        except SecurityError as exc:
             raise SidecarBindError(
-                f"metrics sidecar cannot bind {address}: {zmq.strerror(exc.errno)}; "
-                "is another sidecar running there? stop it or choose another metrics address"
+                f"metrics sidecar: {exc}; is another sidecar running there? stop it or choose another metrics address"
             ) from None
         self._sock: zmq.Socket | None = sock
         self._poller = zmq.Poller()
@@ -187,6 +187,7 @@ class MetricsSidecar:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
+            self._sockets.close()
         logger.info(
             "[shutdown] metrics sidecar: %d record(s) received, %d malformed, %d window(s) logged",
             self.records_received, self.records_malformed, self.windows_logged,

@@ -27,6 +27,7 @@ from common import protocol as P
 from common.config import Config
 from common.dflash_model import build_target_layer_ids
 from common.metrics_client import MetricsPusher
+from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.transport import host_store, local_address_towards
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
@@ -71,6 +72,7 @@ class TargetServer:
         self.transport = cfg.transport.resolve(cfg.target.device)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
+        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir)
         self._sock: zmq.Socket | None = None
         self._store = None
         self._regs: dict[bytes, Registration] = {}
@@ -101,23 +103,20 @@ class TargetServer:
         if cfg.target.threads:
             torch.set_num_threads(cfg.target.threads)
         # Bind first: a taken port should fail in a second, not after loading the model.
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, cfg.control.max_message_bytes)
-        self._sock.setsockopt(zmq.RCVHWM, 10000)
         try:
-            self._sock.bind(cfg.control.address)
-        except zmq.ZMQError as exc:
-            raise StartupError(
-                f"cannot bind the control socket {cfg.control.address}: {exc.strerror}; "
-                "is another target running? change control.address"
-            ) from None
+            check_bind(f"tcp://{cfg.control.store_host}:{cfg.control.store_port}", cfg.security.curve_dir, "data-plane store")
+            # Peers that stop reading lose messages (SNDHWM) instead of growing our memory.
+            self._sock = self._sockets.bind(
+                zmq.ROUTER, cfg.control.address, "control socket", LINGER=0, ROUTER_MANDATORY=0,
+                MAXMSGSIZE=cfg.control.max_message_bytes, RCVHWM=10000, SNDHWM=1000,
+            )
+        except SecurityError as exc:
+            raise StartupError(f"{exc}; is another target running? change control.address") from None
         try:
             self._store = host_store(cfg.control.store_host, cfg.control.store_port, cfg.transport.timeout_s)
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
-        self._metrics = MetricsPusher(cfg.metrics.address, "target", context=self._ctx)
+        self._metrics = MetricsPusher(cfg.metrics.address, "target", sockets=self._sockets)
 
         loaded = load_target(
             cfg.target.model, device=cfg.target.device, dtype=self.dtype, tokenizer_source=cfg.target.tokenizer or None
@@ -514,6 +513,7 @@ class TargetServer:
         if self._sock is not None:
             self._sock.close(linger=200)
             self._sock = None
+        self._sockets.close()
         self._ctx.term()
 
 
