@@ -15,9 +15,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from common.transport import TARGET_RANK, PairGroup, TransportError
+from common.transport import TARGET_RANK, PairGroup, TransportError, connect_store
 from target_server.scheduler import ReadyBatch
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class DrafterLink(threading.Thread):
         *,
         name: str,
         transport: str,
-        store: dist.Store,
+        store_address: tuple[str, int],
         prefix: str,
         device: torch.device,
         timeout_s: float,
@@ -49,7 +48,7 @@ class DrafterLink(threading.Thread):
     ):
         super().__init__(name=f"link-{name}", daemon=True)
         self._transport = transport
-        self._store = store
+        self._store_address = store_address
         self.prefix = prefix
         self._device = device
         self._timeout_s = timeout_s
@@ -60,14 +59,23 @@ class DrafterLink(threading.Thread):
         self._pair: PairGroup | None = None
         self._stopped = threading.Event()
 
+    @property
+    def paired(self) -> bool:
+        """True once the data-plane pair group has formed (read by the control thread for STATUS)."""
+        return self._pair is not None
+
     def enqueue(self, ready: ReadyBatch, tag: int) -> None:
         self._outbox.put((ready, tag))
 
     def run(self) -> None:
         try:
+            # A client connection of its own: a store client serializes its requests,
+            # so a pair that never forms would otherwise block every other pair's rendezvous.
+            host, port = self._store_address
+            store = connect_store(host, port, self._timeout_s)
             self._pair = PairGroup(
                 kind=self._transport,
-                store=self._store,
+                store=store,
                 prefix=self.prefix,
                 rank=TARGET_RANK,
                 device=self._device,

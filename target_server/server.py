@@ -345,7 +345,8 @@ class TargetServer:
         epoch = self._epoch_counter
         prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
         link = DrafterLink(
-            name=f"{hello.drafter_id}-{epoch}", transport=self.transport, store=self._store, prefix=prefix,
+            name=f"{hello.drafter_id}-{epoch}", transport=self.transport,
+            store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
             device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
             events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
         )

@@ -1,0 +1,96 @@
+"""Faults while training: kill -9 a drafter twice, the sidecar once and the target once.
+
+The run must still complete its epoch, and the ledger must show every sample
+trained exactly once in the lineage of each drafter's final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from drafter_worker.checkpoint import read_lineage
+from tests.integration.harness import Job, write_config
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _latest_step(job: Job, source: str) -> int:
+    step = 0
+    for rec in job.metrics():
+        if rec["source"] == source:
+            step = rec["step"]
+    return step
+
+
+def _check_exactly_once(run_dir: Path, drafter: str) -> tuple[int, int]:
+    ckpt = run_dir / "checkpoints" / drafter
+    final = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())
+    lineage = read_lineage(run_dir / "ledger" / f"{drafter}.jsonl", final["step"])
+    assert sorted(lineage) == list(range(1, final["step"] + 1)), "a durable step is missing from the ledger"
+    batch_ids = [e["batch_id"] for e in lineage.values()]
+    assert len(batch_ids) == len(set(batch_ids)), "a batch was trained twice in the final lineage"
+    samples = [s for e in lineage.values() for s in e["sample_ids"]]
+    assert len(samples) == len(set(samples)), "a sample was trained twice in the final lineage"
+    assert set(samples) == set(range(len(samples))), "a sample of the epoch was never trained"
+    return final["step"], len(samples)
+
+
+def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama_dir):
+    rng = random.Random(1234)
+    config = write_config(
+        tmp_path, str(tiny_llama_dir), drafters={"d0": {}, "d1": {"seed": 1}},
+        extra="",
+    )
+    # One epoch over the whole corpus, checkpoints every 3 steps.
+    text = config.read_text().replace("max_samples = 80", "max_samples = 0\nnum_epochs = 1").replace(
+        "checkpoint_every_steps = 4", "checkpoint_every_steps = 3")
+    config.write_text(text)
+    run_dir = tmp_path / "runs" / "it"
+    with Job(config, run_dir) as job:
+        job.start("metrics", "metrics_sidecar")
+        job.start("target", "target_server")
+        job.start("d0", "drafter_worker", "--id", "d0")
+        job.start("d1", "drafter_worker", "--id", "d1")
+
+        faults = []
+        for round_ in range(2):
+            floor = _latest_step(job, "drafter/d1") + 6
+            job.wait_for(lambda: _latest_step(job, "drafter/d1") >= floor, 120, f"d1 to reach step {floor}")
+            time.sleep(rng.uniform(0.0, 0.8))
+            job.procs.pop("d1").kill()
+            faults.append(f"kill -9 d1 (round {round_})")
+            # The survivor keeps training while d1 is down.
+            before = _latest_step(job, "drafter/d0")
+            job.wait_for(lambda: _latest_step(job, "drafter/d0") > before, 30, "d0 to keep training while d1 is down")
+            job.start("d1", "drafter_worker", "--id", "d1")
+
+        job.procs.pop("metrics").kill()
+        faults.append("kill -9 sidecar")
+        time.sleep(1.0)
+        job.start("metrics", "metrics_sidecar")
+
+        floor = _latest_step(job, "drafter/d0") + 3
+        job.wait_for(lambda: _latest_step(job, "drafter/d0") >= floor, 60, "training to resume after the sidecar restart")
+        job.procs.pop("target").kill()
+        faults.append("kill -9 target")
+        time.sleep(2.0)
+        job.start("target", "target_server")
+
+        # Both drafters finish the epoch (DONE) and exit 0 on their own.
+        for name in ("d0", "d1"):
+            code = job.procs[name].wait(240)
+            assert code == 0, job.all_consoles()
+        assert job.terminate("target", 40) == 0
+        assert job.terminate("metrics", 40) == 0
+
+    steps0, samples0 = _check_exactly_once(run_dir, "d0")
+    steps1, samples1 = _check_exactly_once(run_dir, "d1")
+    assert samples0 == samples1 and steps0 == steps1, "both groups must see the whole epoch"
+    log = (run_dir / "logs" / "drafter-d1.log").read_text()
+    assert log.count("[resume]") >= 2, "d1 should have resumed from a checkpoint after each kill"
+    assert "target" in (run_dir / "logs" / "drafter-d0.log").read_text()
