@@ -175,3 +175,42 @@ def read_lineage(ledger_path: Path, final_step: int) -> dict[int, dict]:
             else:
                 steps[entry["step"]] = entry
     return {s: e for s, e in steps.items() if s <= final_step}
+
+
+@dataclass
+class LineageReport:
+    drafter_id: str
+    final_step: int
+    batches: int
+    samples_per_epoch: dict[int, int]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
+    """Check from files that the final checkpoint's lineage trained every step once and no sample twice per epoch."""
+    store = CheckpointStore(run_dir, drafter_id, keep=1)
+    latest = store.latest()
+    if latest is None:
+        return LineageReport(drafter_id, 0, 0, {}, ["no checkpoint"])
+    final_step = store.read_state(latest).step
+    lineage = read_lineage(run_dir / "ledger" / f"{drafter_id}.jsonl", final_step)
+    problems = []
+    missing = sorted(set(range(1, final_step + 1)) - set(lineage))
+    if missing:
+        problems.append(f"durable steps missing from the ledger: {missing[:10]}")
+    batch_ids = [e["batch_id"] for e in lineage.values()]
+    if len(batch_ids) != len(set(batch_ids)):
+        problems.append("a batch was trained twice")
+    per_epoch: dict[int, list[int]] = {}
+    for entry in lineage.values():
+        per_epoch.setdefault(entry["epoch"], []).extend(entry["sample_ids"])
+    for epoch, samples in per_epoch.items():
+        if len(samples) != len(set(samples)):
+            problems.append(f"a sample was trained twice in epoch {epoch}")
+    return LineageReport(
+        drafter_id, final_step, len(batch_ids), {e: len(s) for e, s in sorted(per_epoch.items())}, problems
+    )

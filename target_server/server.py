@@ -94,7 +94,7 @@ class TargetServer:
         self._bytes_sent = 0
         self._send_s = 0.0
         self._window_start = time.monotonic()
-        self._window_tokens = 0
+        self._last_totals: tuple = (0, 0.0, 0, 0, 0, 0.0, 0.0)
         self._tokens_per_s = 0.0
 
     # ---------------------------------------------------------------- start-up
@@ -216,7 +216,6 @@ class TargetServer:
                     self._captured_tokens += real
                     self._padded_tokens += layout.batch_size * layout.seq_len
                     self._forward_s += elapsed
-                    self._window_tokens += real
         except BaseException as exc:  # surfaced by the control loop, which exits non-zero
             self._capture_error = exc
             logger.exception("capture thread failed")
@@ -452,28 +451,32 @@ class TargetServer:
 
     # ---------------------------------------------------------------- observability
     def _push_metrics(self, now: float) -> None:
+        """Window values (deltas since the last push) plus running totals; all host-side numbers."""
         with self._stats_lock:
-            elapsed = now - self._window_start
-            self._tokens_per_s = self._window_tokens / elapsed if elapsed > 0 else 0.0
-            self._window_tokens = 0
-            self._window_start = now
-            batches = max(1, self._captured_batches)
-            values = {
-                "tokens_per_s": self._tokens_per_s,
-                "tokens_total": self._captured_tokens,
-                "batches_total": self._captured_batches,
-                "forward_ms": 1000.0 * self._forward_s / batches,
-                "padding_frac": 1.0 - self._captured_tokens / max(1, self._padded_tokens),
-                "bytes_sent": self._bytes_sent,
-                "send_gbps": self._bytes_sent / self._send_s / 1e9 if self._send_s > 0 else 0.0,
-            }
+            totals = (self._captured_batches, self._forward_s, self._captured_tokens, self._padded_tokens,
+                      self._bytes_sent, self._send_s, self.scheduler.blocked_s)
+        batches, forward_s, tokens, padded, sent, send_s, blocked_s = (
+            a - b for a, b in zip(totals, self._last_totals)
+        )
+        elapsed = max(now - self._window_start, 1e-9)
+        self._last_totals, self._window_start = totals, now
+        self._tokens_per_s = tokens / elapsed
         depth, per_bucket = self.scheduler.depths()
-        values["queue_depth"] = depth
+        values = {
+            "tokens_per_s": self._tokens_per_s,
+            "batches_per_s": batches / elapsed,
+            "forward_ms": 1000.0 * forward_s / batches if batches else 0.0,
+            "padding_frac": 1.0 - tokens / padded if padded else 0.0,
+            "send_gbps": sent / send_s / 1e9 if send_s > 0 else 0.0,
+            "bytes_sent": totals[4],
+            "tokens_total": totals[2],
+            "backpressure_frac": blocked_s / elapsed,
+            "queue_depth": depth,
+            "drafters_connected": len(self._regs),
+        }
         for i, d in enumerate(per_bucket):
             values[f"bucket_depth/{i}"] = d
-        values["blocked_s"] = self.scheduler.blocked_s
-        values["drafters_connected"] = len(self._regs)
-        self._metrics.send(values, step=self._captured_batches)
+        self._metrics.send(values, step=totals[0])
 
     def _status(self) -> P.Status:
         now = time.monotonic()

@@ -11,6 +11,7 @@ import pytest
 from common.dflash_model import load_drafter
 from metrics_sidecar.wandb_reader import read_wandb_offline_history
 from tests.conftest import ROOT
+from tests.integration.catalog import catalog_series
 from tests.integration.harness import Job, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,6 +47,9 @@ def test_two_drafters_train_and_everything_exits_zero_on_sigterm(tmp_path, tiny_
     keys = set().union(*(row.keys() for row in history))
     for key in ("drafter/d0/loss", "drafter/d1/loss", "drafter/d0/lr", "drafter/d1/step", "target/tokens_per_s", "target/queue_depth"):
         assert key in keys, f"{key} missing from the W&B offline run (have {sorted(keys)[:40]})"
+    # Every series of the catalog (docs/metrics.md) made it into the W&B run.
+    missing = catalog_series(["d0", "d1"], block_size=8, num_buckets=2) - keys
+    assert not missing, f"catalog series missing from the W&B offline run: {sorted(missing)}"
     d0 = [row["drafter/d0/loss"] for row in history if "drafter/d0/loss" in row]
     assert all(math.isfinite(v) for v in d0)
     # Different learning rates: two experiments, not one run logged twice.
