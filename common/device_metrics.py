@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sync_guard import mark_host
+
 
 @dataclass(frozen=True)
 class _Slot:
@@ -37,7 +39,8 @@ class DeviceAccumulators:
         self._values = torch.zeros(offset, dtype=torch.float32, device=self.device)
         self._staging = torch.zeros_like(self._values)
         cuda = self.device.type == "cuda"
-        self._host = torch.zeros(offset, dtype=torch.float32, pin_memory=cuda)
+        # Host memory filled by an event-tracked copy: reading it in poll() is not a device read.
+        self._host = mark_host(torch.zeros(offset, dtype=torch.float32, pin_memory=cuda))
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._event: torch.cuda.Event | None = None
         self._pending = False

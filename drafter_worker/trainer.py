@@ -13,7 +13,7 @@ import torch
 
 from common.config import DrafterConfig
 from common.device_metrics import DeviceAccumulators
-from common.dflash_model import DFlashDrafter, dflash_block_loss, expected_acceptance_length
+from common.dflash_model import DFlashDrafter, dflash_block_loss
 
 
 def learning_rate(cfg: DrafterConfig, step: int) -> float:
@@ -111,19 +111,26 @@ class DrafterTrainer:
 
 
 def summarize(values: dict[str, list[float]]) -> dict[str, float]:
-    """Turn one window of accumulator values (host floats) into metric values."""
+    """Turn one window of accumulator values (host floats) into metric values.
+
+    Plain Python on host floats: no tensors, so nothing here can touch a device
+    (and the CPU sync guard has nothing to flag).
+    """
     steps = max(values["steps"][0], 1.0)
-    correct = torch.tensor(values["correct"])
-    count = torch.tensor(values["count"])
+    acc = [c / max(n, 1.0) for c, n in zip(values["correct"], values["count"])]
+    # EAL = sum_k prod_{i<=k} acc_i over the draft slots (as expected_acceptance_length).
+    eal, run = 0.0, 1.0
+    for a in acc[1:]:
+        run *= a
+        eal += run
     out = {
         "loss": values["loss_sum"][0] / steps,
         "grad_norm": values["grad_norm_sum"][0] / steps,
         "grad_norm_max": values["grad_norm_max"][0],
         "clip_rate": values["clipped"][0] / steps,
         "label_tokens": values["label_tokens"][0],
-        "eal": float(expected_acceptance_length(correct, count)),
+        "eal": eal,
     }
-    acc = correct / count.clamp(min=1.0)
-    for k in range(1, len(values["correct"])):
-        out[f"acc/pos_{k}"] = float(acc[k])
+    for k in range(1, len(acc)):
+        out[f"acc/pos_{k}"] = acc[k]
     return out

@@ -198,12 +198,14 @@ class TargetServer:
                     features, ids, mask, lengths = layout.views(buf)
                     samples = [self.dataset.train[i] for i in planned.sample_ids]
                     input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
-                    ids.copy_(input_ids)
-                    mask.copy_(loss_mask)
-                    lengths.copy_(lens)
+                    if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
+                        input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
+                    ids.copy_(input_ids, non_blocking=True)
+                    mask.copy_(loss_mask, non_blocking=True)
+                    lengths.copy_(lens, non_blocking=True)
                     real = sum(min(len(s), layout.seq_len) for s in samples)
                     start = time.perf_counter()
-                    self.capture.run(input_ids.to(self.device, non_blocking=True), features)
+                    self.capture.run(ids.long(), features)
                     elapsed = time.perf_counter() - start
                 except Exception:
                     self.scheduler.abandon(index, buf)
