@@ -5,7 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test test-fast clean install-systemd tmux restart-drafter stop status logs report eval
+
+# Operations targets (README "Operations"): which job config, and for `report` which run.
+CONFIG ?= configs/demo.toml
+RUN ?= runs/demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +32,42 @@ test: $(STAMP)
 ## make test-fast: skip the end-to-end tests on the real model
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+## make install-systemd: install the systemd units for this checkout (system; SYSTEMD_SCOPE=user for --user)
+# No $(STAMP): it runs no project code, and under sudo it must not build the venv as root.
+SYSTEMD_SCOPE ?= system
+install-systemd:
+	deploy/systemd/install.sh --$(SYSTEMD_SCOPE)
+
+## make tmux: the whole job in one tmux session (window per process, status + sidecar log)
+tmux: $(STAMP)
+	deploy/tmux/launch.sh start $(CONFIG)
+
+## make restart-drafter ID=1: restart that drafter in its tmux window, nothing else
+restart-drafter: $(STAMP)
+	@test -n "$(ID)" || { echo "usage: make restart-drafter ID=<drafter id>" >&2; exit 2; }
+	deploy/tmux/launch.sh restart-drafter $(CONFIG) $(ID)
+
+## make stop: SIGTERM every process of the tmux session (drafters, target, sidecar), wait, close it
+stop: $(STAMP)
+	deploy/tmux/launch.sh stop $(CONFIG)
+
+## make status: live table from the target (STATUS_ARGS=--watch to refresh in place)
+status: $(STAMP)
+	$(PY) -m tools.status --config $(CONFIG) $(STATUS_ARGS)
+
+## make logs: follow the metrics sidecar's human log of the run
+logs: $(STAMP)
+	deploy/tmux/launch.sh logs $(CONFIG) metrics
+
+## make report RUN=runs/<name>: PNG curves from the run's metrics.jsonl into RUN/plots/
+report: $(STAMP)
+	$(PY) -m tools.report $(RUN)
+
+## make eval RUN=runs/<name> [DRAFTER=d0]: tau and speed-up of the drafter's latest checkpoint (EVAL_ARGS=... for more)
+DRAFTER ?= d0
+eval: $(STAMP)
+	$(PY) -m tools.eval $(RUN) --drafter $(DRAFTER) $(EVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -1,0 +1,133 @@
+"""dflash-status (tools/status.py): the table, the loss tail, no target, and a live target."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from common import protocol as P
+from tests.conftest import ROOT, free_ports
+from tests.integration.harness import Job, write_config
+from tools.status import format_status, last_losses
+
+
+def _status_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tools.status", *args]
+
+
+def test_table_shows_every_field_and_config_drafters_that_are_not_connected():
+    status = P.Status(
+        uptime_s=3725.0, tokens_per_s=1532.4, queue_depth=5, bucket_depths=[1, 0, 4],
+        drafters=[
+            {"id": "d1", "group": "g", "state": "forming pair", "step": 0, "checkpoint_step": 0, "inflight": 0,
+             "heartbeat_age_s": 0.25, "pid": 42, "epoch": 3},
+            {"id": "d0", "group": "g", "state": "training", "step": 1200, "checkpoint_step": 1000, "inflight": 2,
+             "heartbeat_age_s": 1.5, "pid": 41, "epoch": 1},
+        ],
+    )
+    text = format_status(status, address="tcp://127.0.0.1:5555", run_name="exp", bucket_lengths=[64, 128, 256],
+                         losses={"d0": (2.3456, 1195)}, expected_ids=["d0", "d1", "d2"])
+    lines = text.splitlines()
+    assert "run exp" in lines[0]
+    assert "up 1h02m05s" in lines[1] and "1532 tokens/s" in lines[1] and "queue 5" in lines[1]
+    assert "64:1 128:0 256:4" in lines[1]
+    header = next(line for line in lines if line.startswith("drafter"))
+    for column in ("group", "state", "step", "heartbeat", "in flight", "last loss", "pid"):
+        assert column in header
+    rows = {line.split()[0]: line for line in lines[lines.index(header) + 1:]}
+    assert list(rows) == ["d0", "d1", "d2"]
+    assert "training" in rows["d0"] and "1200" in rows["d0"] and "2.3456 @1195" in rows["d0"] and "1.5s ago" in rows["d0"]
+    assert "forming pair" in rows["d1"] and rows["d1"].split()[-2:] == ["-", "42"]
+    assert "not connected" in rows["d2"]
+
+
+def test_last_losses_reads_the_newest_record_of_each_drafter_from_the_end(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "w") as f:
+        for step in range(1, 3001):  # ~300 KB: several backward chunks
+            drafter = "d0" if step % 3 else "d1"
+            f.write(json.dumps({"source": f"drafter/{drafter}", "step": step, "time": 0.0,
+                                "values": {"loss": 1000.0 / step, "lr": 1e-3}}) + "\n")
+            f.write(json.dumps({"source": "target", "step": step, "time": 0.0, "values": {"tokens_per_s": 1.0}}) + "\n")
+        f.write('{"source": "drafter/d0", "step": 3001, "values": {"loss": 0.')  # still being written
+    losses = last_losses(path, ["d0", "d1", "absent"])
+    assert losses == {"d0": (1000.0 / 2999, 2999), "d1": (1000.0 / 3000, 3000)}
+    assert last_losses(tmp_path / "missing.jsonl", ["d0"]) == {}
+
+
+def test_no_target_is_one_clear_line(tmp_path):
+    config = write_config(tmp_path, "unused", drafters={"d0": {}})
+    address = tomllib.loads(config.read_text())["control"]["address"]
+    done = subprocess.run(_status_cmd("--config", str(config), "--timeout-s", "0.5"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"no answer from the target at {address}" in done.stderr and "Traceback" not in done.stderr
+
+    (port,) = free_ports(1)
+    done = subprocess.run(_status_cmd("--address", f"tcp://127.0.0.1:{port}", "--timeout-s", "0.3"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "not running" in done.stderr
+
+    done = subprocess.run(_status_cmd("--config", str(tmp_path / "nope.toml")),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and done.stderr.strip() == f"dflash-status: config error: config file {tmp_path / 'nope.toml'} does not exist"
+
+
+def test_console_scripts_are_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["dflash-status"] == "tools.status:main"
+    assert scripts["dflash-report"] == "tools.report:main"
+
+
+@pytest.mark.timeout(240)
+def test_live_target_lists_both_drafters(tmp_path, tiny_llama_dir):
+    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {}, "d1": {"learning_rate": 5e-4, "seed": 1}})
+    run_dir = tmp_path / "runs" / "it"
+    with Job(config, run_dir) as job:
+        job.start("metrics", "metrics_sidecar")
+        job.start("target", "target_server")
+        job.start("d0", "drafter_worker", "--id", "d0")
+        job.start("d1", "drafter_worker", "--id", "d1")
+        job.wait_for(lambda: all(job.drafter_steps().get(f"drafter/{d}", 0) >= 4 for d in ("d0", "d1")),
+                     timeout_s=150, what="both drafters to report step 4")
+
+        done = subprocess.run(_status_cmd("--config", str(config)), capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        print(done.stdout)  # the captured table, for the record
+        lines = done.stdout.splitlines()
+        assert "run it" in lines[0] and "tokens/s" in lines[1] and "by bucket length 32:" in lines[1]
+        rows = {line.split()[0]: line for line in lines if line.startswith(("d0 ", "d1 "))}
+        assert set(rows) == {"d0", "d1"}, done.stdout
+        for drafter, line in rows.items():
+            cells = line.split()
+            assert cells[2] == "training", done.stdout
+            assert int(cells[3]) >= 4
+            assert cells[-1] == str(job.procs[drafter].pid)
+            assert re.search(r" \d+\.\d{4} @\d+ ", line), f"last loss comes from metrics.jsonl: {line}"
+
+        as_json = subprocess.run(_status_cmd("--config", str(config), "--json"), capture_output=True, text=True,
+                                 timeout=60, cwd=ROOT)
+        body = json.loads(as_json.stdout)
+        assert sorted(d["id"] for d in body["drafters"]) == ["d0", "d1"] and set(body["last_loss"]) == {"d0", "d1"}
+
+        # --watch keeps refreshing until interrupted, then exits 0.
+        watch = subprocess.Popen(_status_cmd("--config", str(config), "--watch", "0.5"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        time.sleep(3.0)
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+        assert watch.returncode == 0, err
+        assert out.count("refreshed") >= 2 and out.count("dflash status") >= 2
+        assert "Traceback" not in err
+
+        codes = {name: job.terminate(name, timeout_s=40) for name in ("d0", "d1", "target", "metrics")}
+        assert codes == {"d0": 0, "d1": 0, "target": 0, "metrics": 0}, job.all_consoles()
