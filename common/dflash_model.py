@@ -24,8 +24,9 @@ Everything on the training path (``sample_anchors``, ``dflash_block_loss``,
 shapes or Python branches on tensor values.  All shapes depend only on Python
 ints (batch size, sequence length, number of anchors, block size).
 
-This module depends only on torch, safetensors and transformers' ``Qwen3Config``;
-it must never import the process packages.
+This module depends only on torch, safetensors, transformers' ``Qwen3Config``
+and ``common.fused_lm_loss`` (the fused LM-head loss, which uses Triton when it
+can); it must never import the process packages.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from safetensors.torch import save_file as _safetensors_save_file
 from torch import nn
 from transformers import Qwen3Config
 
+from common.fused_lm_loss import fused_lm_head_loss
+
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
@@ -56,6 +59,7 @@ __all__ = [
     "BlockInputs",
     "BlockLossOutput",
     "DFlashDrafter",
+    "DraftContextCache",
     "build_block_inputs",
     "build_target_layer_ids",
     "dflash_block_loss",
@@ -317,6 +321,8 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        context_cache: "DraftContextCache | None" = None,
+        layer_idx: int = 0,
     ) -> torch.Tensor:
         bsz, q_len, _ = x.shape
         ctx_len = context.shape[1]
@@ -334,6 +340,11 @@ class DFlashAttention(nn.Module):
         sin = sin.unsqueeze(1)
         q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]
         k = k * cos + _rotate_half(k) * sin
+        if context_cache is not None:
+            # Earlier context goes in front; only the context (never the block
+            # slots) is remembered for the next call.
+            k, v = context_cache._extend(layer_idx, k, v, ctx_len)
+            kv_len = k.shape[2]
 
         # Expand KV heads explicitly instead of SDPA's enable_gqa: with an
         # arbitrary boolean mask, enable_gqa rules out the memory-efficient
@@ -387,10 +398,14 @@ class DFlashDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        context_cache: "DraftContextCache | None" = None,
+        layer_idx: int = 0,
     ) -> torch.Tensor:
         # Only the block stream is normalised here: the fused context was
         # already normalised once by hidden_norm and is shared by all layers.
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask)
+        x = x + self.self_attn(
+            self.input_layernorm(x), context, cos, sin, attention_mask, context_cache, layer_idx
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -435,6 +450,7 @@ class DFlashDrafter(nn.Module):
         noise_embedding: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        context_cache: "DraftContextCache | None" = None,
     ) -> torch.Tensor:
         """Hidden states of the block slots.
 
@@ -444,6 +460,12 @@ class DFlashDrafter(nn.Module):
             position_ids: ``[B, C+Q]`` positions of the context then of the block slots.
             attention_mask: bool ``[B, 1, Q, C+Q]``, True where a slot may attend;
                 ``None`` lets every slot attend to everything.
+            context_cache: inference only. Keys/values of earlier context
+                positions (a :class:`DraftContextCache`); ``target_hidden``
+                then holds only the new context positions (``position_ids``
+                covers those and the block), the slots also attend to the
+                cached context, and the new context is appended to the cache.
+                A given ``attention_mask`` must then be ``[B, 1, Q, cached+C+Q]``.
 
         Returns:
             ``[B, Q, H]`` after the final norm (apply the target's LM head for logits).
@@ -460,9 +482,57 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(target_hidden))
         x = noise_embedding
         cos, sin = self.rotary_emb(position_ids, x.dtype)
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask)
+        if context_cache is not None and len(context_cache.keys) != len(self.layers):
+            raise ValueError(
+                f"context_cache has {len(context_cache.keys)} layers, the drafter {len(self.layers)}"
+            )
+        for layer_idx, layer in enumerate(self.layers):
+            x = layer(x, context, cos, sin, attention_mask, context_cache, layer_idx)
         return self.norm(x)
+
+
+class DraftContextCache:
+    """Keys/values of the target context already seen, per drafter layer (inference).
+
+    In speculative decoding the context grows by the tokens each verification
+    accepts; caching its keys/values (after ``k_norm`` and rotary, as the
+    attention uses them) makes each drafter pass cost O(new context + block)
+    instead of O(whole context).  Block slots are never cached, so nothing has
+    to be removed after a verification; :meth:`crop` rolls the context back
+    when a caller needs to.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        """Context positions cached."""
+        first = self.keys[0] if self.keys else None
+        return 0 if first is None else int(first.shape[2])
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached context positions."""
+        if length < 0:
+            raise ValueError(f"crop length must be >= 0, got {length}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None and v is not None:
+                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
+
+    def _extend(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ctx_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``/``v`` are ``[B, kv_heads, C+Q, D]``: store the first ``ctx_len``
+        positions after the cached ones; return cached + ``k``/``v``."""
+        past_k, past_v = self.keys[layer_idx], self.values[layer_idx]
+        if past_k is None or past_v is None:
+            full_k, full_v = k, v
+        else:
+            full_k, full_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        cached = 0 if past_k is None else past_k.shape[2]
+        self.keys[layer_idx] = full_k[:, :, : cached + ctx_len]
+        self.values[layer_idx] = full_v[:, :, : cached + ctx_len]
+        return full_k, full_v
 
 
 # ---------------------------------------------------------------------------
@@ -592,10 +662,11 @@ def lm_head_loss(
     labels: torch.Tensor,
     weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy through the frozen LM head.
+    """Weighted cross-entropy through the frozen LM head (plain reference).
 
-    Kept separate so a fused (chunked / Liger-style) kernel can replace it
-    without touching the rest of the loss.
+    Materialises the ``[..., V]`` logits.  The training loss uses
+    :func:`common.fused_lm_loss.fused_lm_head_loss`, which has the same
+    semantics without them; this stays as the reference it is tested against.
 
     Args:
         hidden: ``[..., H]`` drafter outputs.
@@ -687,7 +758,8 @@ def dflash_block_loss(
     hidden = hidden.view(bsz, num, bs, -1)
     weights = _slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid
     # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
-    loss_sum, weight_sum, hits = lm_head_loss(
+    # Fused: never builds the [N, V] logits (DFLASH_FUSED_LOSS=off selects lm_head_loss).
+    loss_sum, weight_sum, hits = fused_lm_head_loss(
         hidden[:, :, 1:], lm_head_weight, blocks.labels[:, :, 1:], weights[:, :, 1:]
     )
     loss = loss_sum / weight_sum.clamp(min=1e-6)

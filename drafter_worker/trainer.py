@@ -46,12 +46,14 @@ class DrafterTrainer:
         optimizer: torch.optim.Optimizer,
         generator: torch.Generator,
         step: int,
+        collect_metrics: bool = True,
     ):
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
         self.generator = generator
         self.step = step
+        self.collect_metrics = collect_metrics  # off only to measure what metrics cost (bench/)
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
         bs = model.block_size
@@ -97,6 +99,9 @@ class DrafterTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if not self.collect_metrics:
+            return lr
         m = self.metrics
         m.add("loss_sum", out.loss.detach())
         m.add("steps", 1.0)
@@ -106,7 +111,6 @@ class DrafterTrainer:
         m.maximum("grad_norm_max", norm)
         m.add("clipped", (norm > self.cfg.grad_clip).float())
         m.add("label_tokens", out.num_tokens)
-        self.step += 1
         return lr
 
 

@@ -593,3 +593,30 @@ def test_load_rejects_mismatched_weights(tmp_path):
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="fc.weight"):
         load_drafter(tmp_path)
+
+
+def test_context_cache_matches_full_context():
+    # Guards speculative decoding: a drafter pass that reads earlier context
+    # from DraftContextCache must equal one that is given the whole context.
+    from common.dflash_model import DraftContextCache
+
+    model = tiny_drafter().eval()
+    gen = torch.Generator().manual_seed(5)
+    features = torch.randn(1, 11, K_LAYERS * HIDDEN, generator=gen)
+    noise = torch.randn(1, BLOCK, HIDDEN, generator=gen)
+    with torch.no_grad():
+        full = model(features, noise, torch.arange(11 + BLOCK)[None])
+        cache = DraftContextCache(len(model.layers))
+        model(features[:, :4], noise, torch.arange(4 + BLOCK)[None], context_cache=cache)  # an earlier step
+        assert len(cache) == 4
+        model(features[:, 4:7], noise, torch.arange(4, 7 + BLOCK)[None], context_cache=cache)
+        chunked = model(features[:, 7:], noise, torch.arange(7, 11 + BLOCK)[None], context_cache=cache)
+        assert len(cache) == 11
+        torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+        # Cropping rolls the context back: a pass after crop(7) sees positions 0..6 only.
+        cache.crop(7)
+        short = model(features[:, :7], noise, torch.arange(7 + BLOCK)[None])
+        again = model(features[:, 7:7], noise, torch.arange(7, 7 + BLOCK)[None], context_cache=cache)
+        torch.testing.assert_close(again, short, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layers"):
+        model(features, noise, torch.arange(11 + BLOCK)[None], context_cache=DraftContextCache(5))

@@ -1,0 +1,126 @@
+"""What do the drafter's metrics cost? The same training, metrics on vs off, side by side.
+
+Runs short training bursts alternately with metrics at the default interval
+(device accumulators, snapshot every ``log_every_steps``, deferred read,
+summary, a non-blocking push to a sidecar address) and with metrics off, on
+the same model and batches, and prints the throughput ratio (goal >= 0.99)
+and the host syncs per step counted by the sync guard (goal 0).
+
+    python bench/metrics_overhead.py [--steps 40] [--rounds 4] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.config import DrafterConfig, MetricsConfig  # noqa: E402
+from common.dflash_model import DFlashDrafter, make_drafter_config  # noqa: E402
+from common.metrics_client import MetricsPusher  # noqa: E402
+from common.packing import BatchLayout  # noqa: E402
+from common.sync_guard import sync_guard  # noqa: E402
+from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize  # noqa: E402
+
+
+def build(device: torch.device, collect: bool, hidden: int, vocab: int, layers_captured: int):
+    config = make_drafter_config(
+        hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+        intermediate_size=2 * hidden, vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=2048, num_hidden_layers=1, num_target_layers=30,
+        target_layer_ids=list(range(1, 1 + layers_captured)), block_size=16, mask_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(config).to(device)
+    cfg = DrafterConfig(max_steps=10_000)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    return DrafterTrainer(cfg, model, make_optimizer(cfg, model), gen, 0, collect_metrics=collect)
+
+
+def burst(trainer, batch, weights, steps: int, log_every: int, pusher: MetricsPusher | None, guard_device=None):
+    pending = False
+    syncs = 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        if guard_device is not None:
+            with sync_guard(guard_device, mode="record") as report:
+                pending = _step(trainer, batch, weights, log_every, pusher, pending)
+            syncs += len(report.violations)
+        else:
+            pending = _step(trainer, batch, weights, log_every, pusher, pending)
+    if batch[0].device.type == "cuda":
+        torch.cuda.synchronize()  # end of the measurement, not in the loop
+    return time.perf_counter() - start, syncs
+
+
+def _step(trainer, batch, weights, log_every, pusher, pending):
+    trainer.train_step(*batch, *weights)
+    if trainer.collect_metrics:
+        if trainer.step % log_every == 0 and trainer.metrics.snapshot():
+            pending = True
+        if pending:
+            values = trainer.metrics.poll()
+            if values is not None:
+                pending = False
+                pusher.send(summarize(values), step=trainer.step)
+    return pending
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    log_every = MetricsConfig().log_every_steps
+    layout = BatchLayout(8, 128, 5 * args.hidden, torch.float32)
+    buf = layout.allocate(device)
+    feats, ids, mask, lengths = layout.views(buf)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    feats.copy_(torch.randn(feats.shape, generator=g))
+    ids.copy_(torch.randint(0, args.vocab, ids.shape, generator=g))
+    mask.fill_(1)
+    lengths.fill_(128)
+    batch = (feats, ids, mask, lengths)
+    weights = (torch.randn(args.vocab, args.hidden, device=device) * 0.02,) * 2
+    # Nobody listens on this port: sends must still never block (they are dropped and counted).
+    pusher = MetricsPusher("tcp://127.0.0.1:1", "drafter/bench")
+    on, off = build(device, True, args.hidden, args.vocab, 5), build(device, False, args.hidden, args.vocab, 5)
+    burst(on, batch, weights, 3, log_every, pusher)  # warm-up both
+    burst(off, batch, weights, 3, log_every, pusher)
+    t_on = t_off = 0.0
+    for _ in range(args.rounds):  # alternate so machine noise hits both alike
+        t_off += burst(off, batch, weights, args.steps, log_every, pusher)[0]
+        t_on += burst(on, batch, weights, args.steps, log_every, pusher)[0]
+    _, syncs = burst(on, batch, weights, 2 * log_every + 1, log_every, pusher, guard_device=device)
+    pusher.close()
+    result = {
+        "device": str(device),
+        "steps_per_run": args.steps * args.rounds,
+        "throughput_ratio_metrics_on_vs_off": t_off / t_on,
+        "host_syncs_per_step": syncs / (2 * log_every + 1),
+        "step_ms_metrics_on": 1000 * t_on / (args.steps * args.rounds),
+        "step_ms_metrics_off": 1000 * t_off / (args.steps * args.rounds),
+    }
+    print(f"metrics on / off throughput ratio: {result['throughput_ratio_metrics_on_vs_off']:.3f} (goal >= 0.99)")
+    print(f"host syncs per step in the hot path: {result['host_syncs_per_step']:.0f} (goal 0)")
+    print(f"step time: {result['step_ms_metrics_on']:.1f} ms with metrics, {result['step_ms_metrics_off']:.1f} ms without")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""dflash-eval (tools/eval.py) on a fake run directory with a tiny random target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from common.config import load_config
+from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from common.metrics_client import parse_metrics_record
+from drafter_worker.checkpoint import CheckpointStore, Coverage, TrainerState
+from tests.conftest import free_ports
+from tools.eval import find_checkpoint, main as eval_main, training_eal
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    data = root / "chats.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question number {i}?"},
+                                             {"role": "assistant", "content": f"Answer {i}."}]}) + "\n")
+    cfg = load_config(None, [f"run.root_dir={json.dumps(str(root))}", 'run.name="tiny"',
+                             f"target.model={json.dumps(str(tiny_llama_dir))}", "target.threads=1",
+                             f"data.source={json.dumps(str(data))}", "data.heldout_fraction=0.5",
+                             "data.max_seq_len=64", "data.bucket_lengths=[64]", "data.tokens_per_batch=64"])
+    run = cfg.run.path
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(cfg.to_toml())
+    config = make_drafter_config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        vocab_size=49152, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+        num_hidden_layers=1, num_target_layers=6, target_layer_ids=build_target_layer_ids(6, 2),
+        block_size=4, mask_token_id=49151,
+    )
+    torch.manual_seed(0)
+    model = DFlashDrafter(config)
+    state = TrainerState(step=10, coverage=Coverage(), drafter_id="d0", group="d0", model_id="tiny")
+    CheckpointStore(run, "d0", keep=2).save(state, model, torch.optim.AdamW(model.parameters()), torch.Generator())
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, eal in ((5, 0.1), (10, 0.25), (15, 0.5)):
+            f.write(json.dumps({"source": "drafter/d0", "step": step, "values": {"eal": eal, "loss": 3.0}}) + "\n")
+            f.write(json.dumps({"source": "drafter/d1", "step": step, "values": {"eal": 9.0}}) + "\n")
+    return run
+
+
+def test_run_directory_helpers(run_dir):
+    found = find_checkpoint(run_dir, "d0")
+    assert found is not None and found.step == 10 and found.path.name == "step-10"
+    assert find_checkpoint(run_dir, "d9") is None
+    assert training_eal(run_dir, "d0", 10) == 0.25
+    assert training_eal(run_dir, "d0", 7) == 0.1
+    assert training_eal(run_dir, "d0", 1) is None
+
+
+def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    rc = eval_main([str(run_dir), "--drafter", "d0", "--num-prompts", "2", "--max-new-tokens", "9",
+                    "--ignore-eos", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report == json.loads((run_dir / "eval" / "d0" / "step-10.json").read_text())
+    assert report["step"] == 10 and report["num_prompts"] == 2
+    assert report["greedy_mismatches"] == 0  # speculative == greedy at temperature 0
+    assert 1.0 <= report["tau"] <= 4.0 and len(report["tau_per_prompt"]) == 2
+    assert len(report["acceptance_rate"]) == 3
+    assert report["training_eal"] == 0.25 and report["tau_predicted_by_eal"] == 1.25
+    assert report["generated_tokens"] == 18
+    assert report["speedup"] > 0 and report["plain_tokens_per_s"] > 0
+    text = capsys.readouterr().out
+    assert "tau:" in text and "speed-up:" in text and "training EAL proxy: 0.250" in text
+
+
+def test_eval_watch_pushes_tau_at_the_checkpoint_step(run_dir):
+    (port,) = free_ports(1)
+    address = f"tcp://127.0.0.1:{port}"
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind(address)
+    try:
+        rc = eval_main(["--watch", str(run_dir), "--drafter", "d0", "--every-s", "0.1", "--max-evals", "1",
+                        "--num-prompts", "1", "--max-new-tokens", "5", "--metrics-address", address])
+        assert rc == 0
+        assert pull.poll(10_000), "no metrics record from the watcher"
+        record = parse_metrics_record(pull.recv())
+    finally:
+        pull.close()
+        ctx.term()
+    assert record.source == "drafter/d0" and record.step == 10
+    assert record.values["eval/tau"] >= 1.0
+    assert "eval/accept/pos_1" in record.values and "eval/tokens_per_s" in record.values
+
+
+def test_eval_errors(run_dir, tmp_path, capsys):
+    assert eval_main([str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    assert eval_main([str(run_dir), "--drafter", "d9", "--num-prompts", "1"]) == 1
+    assert "no checkpoint" in capsys.readouterr().err

@@ -1,0 +1,205 @@
+"""Speculative decoding (tools/speculative.py) on a tiny random Llama target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from tools.speculative import (
+    DFlashProposer,
+    SpecStats,
+    _verify_sampled,
+    plain_generate,
+    speculative_generate,
+    target_features,
+)
+
+VOCAB = 256
+HIDDEN = 64
+LAYERS = 6
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # A larger init than the default 0.02 so the random target's argmax is not
+    # a near-tie everywhere (ties would make greedy equality depend on rounding).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.requires_grad_(False)
+    return model
+
+
+def make_drafter(seed: int = 0, block_size: int = BLOCK) -> DFlashDrafter:
+    config = make_drafter_config(
+        hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+        num_hidden_layers=1, num_target_layers=LAYERS, target_layer_ids=build_target_layer_ids(LAYERS, 2),
+        block_size=block_size, mask_token_id=VOCAB - 1,
+    )
+    torch.manual_seed(seed)
+    return DFlashDrafter(config).eval()
+
+
+def dflash_proposer(target, drafter: DFlashDrafter) -> DFlashProposer:
+    return DFlashProposer(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+
+
+def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 17, 99, 3, 42], [7], list(range(10, 40))]
+
+
+class OracleProposer:
+    """Test-only proposer that drafts the target's own greedy continuation.
+
+    ``wrong_from`` (1-based block position) makes every draft from that
+    position on wrong, so each step must accept exactly ``wrong_from - 1``.
+    """
+
+    layer_ids = None
+
+    def __init__(self, prompt: list[int], continuation: list[int], block_size: int, wrong_from: int | None = None):
+        self.sequence = prompt + continuation
+        self.block_size = block_size
+        self.wrong_from = wrong_from
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def propose(self, features, anchor, start, num_draft):
+        self.calls += 1
+        assert features is None
+        assert self.sequence[start] == anchor
+        drafts = list(self.sequence[start + 1 : start + 1 + num_draft])
+        if self.wrong_from is not None:
+            for k in range(self.wrong_from - 1, len(drafts)):
+                drafts[k] = (drafts[k] + 1) % VOCAB
+        return F.one_hot(torch.tensor(drafts), VOCAB).float() * 10.0
+
+
+def test_speculative_equals_plain_greedy_with_random_drafter(target):
+    proposer = dflash_proposer(target, make_drafter())
+    stats = SpecStats(BLOCK)
+    for i, prompt in enumerate(PROMPTS):
+        n = 17
+        plain = plain_generate(target, prompt, max_new_tokens=n)
+        spec = speculative_generate(target, proposer, prompt, max_new_tokens=n)
+        assert spec.tokens == plain.tokens
+        if i == 0:  # plain_generate is itself the target's greedy decoding
+            assert plain.tokens == hf_greedy(target, prompt, n)
+        assert sum(spec.step_tokens) + 1 == n  # the prefill gives the first token
+        stats.add(spec)
+    # An untrained drafter is (nearly) always rejected: one token per step.
+    assert 1.0 <= stats.tau < 1.5
+    assert len(stats.acceptance_rate()) == BLOCK - 1
+
+
+@pytest.mark.parametrize("wrong_from, tau", [(None, BLOCK), (3, 3), (1, 1)])
+def test_oracle_drafter_reaches_block_size(target, wrong_from, tau):
+    # max_new_tokens = 1 + k * block_size: every step can accept a full block.
+    n = 1 + 4 * BLOCK
+    for prompt in PROMPTS[:2]:
+        reference = plain_generate(target, prompt, max_new_tokens=n + BLOCK).tokens
+        oracle = OracleProposer(prompt, reference, BLOCK, wrong_from)
+        spec = speculative_generate(target, oracle, prompt, max_new_tokens=n)
+        assert spec.tokens == reference[:n]
+        if wrong_from is None:
+            assert spec.step_tokens == [BLOCK] * 4 and spec.tau == BLOCK
+        else:
+            assert spec.step_tokens[:-1] == [tau] * (len(spec.step_tokens) - 1)
+        stats = SpecStats(BLOCK)
+        stats.add(spec)
+        rates = stats.acceptance_rate()
+        if wrong_from is None:
+            assert rates == [1.0] * (BLOCK - 1)
+        else:
+            assert rates[: wrong_from - 1] == [1.0] * (wrong_from - 1)
+            assert all(r == 0.0 for r in rates[wrong_from - 1 :])
+
+
+def test_stop_token_ends_generation(target):
+    prompt = PROMPTS[0]
+    reference = plain_generate(target, prompt, max_new_tokens=20).tokens
+    stop = reference[6]
+    expected = reference[: reference.index(stop) + 1]
+    assert plain_generate(target, prompt, max_new_tokens=20, stop_token_ids=[stop]).tokens == expected
+    oracle = OracleProposer(prompt, reference, BLOCK)
+    assert speculative_generate(target, oracle, prompt, max_new_tokens=20, stop_token_ids=[stop]).tokens == expected
+    proposer = dflash_proposer(target, make_drafter())
+    assert speculative_generate(target, proposer, prompt, max_new_tokens=20, stop_token_ids=[stop]).tokens == expected
+
+
+def test_drafter_sees_the_same_context_as_in_training(target):
+    # The cached, incrementally built drafter context must give the drafts a
+    # full-sequence pass gives (what training computes from the target server's features).
+    drafter = make_drafter(seed=3)
+    proposer = dflash_proposer(target, drafter)
+    calls = []
+    inner = proposer.propose
+
+    def logged(features, anchor, start, num_draft):
+        logits = inner(features, anchor, start, num_draft)
+        calls.append((anchor, start, logits))
+        return logits
+
+    proposer.propose = logged
+    prompt = PROMPTS[2]
+    spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
+    sequence = prompt + spec.tokens
+    with torch.no_grad():
+        hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        features = target_features(hidden, drafter.target_layer_ids)
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings().weight
+        assert len(calls) == sum(1 for d in spec.step_drafts if d) >= 3
+        for anchor, start, logits in calls:
+            assert sequence[start] == anchor
+            block = torch.full((1, BLOCK), drafter.mask_token_id)
+            block[0, 0] = anchor
+            out = drafter(features[:, :start], F.embedding(block, embed), torch.arange(start + BLOCK)[None])
+            expected = F.linear(out[0, 1 : 1 + logits.shape[0]], head)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_temperature_sampling_runs_and_is_seeded(target):
+    proposer = dflash_proposer(target, make_drafter())
+    prompt = PROMPTS[0]
+    runs = [speculative_generate(target, proposer, prompt, max_new_tokens=12, temperature=0.8,
+                                 generator=torch.Generator().manual_seed(7)).tokens for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+    assert all(0 <= t < VOCAB for t in runs[0])
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    # Speculative sampling must emit tokens distributed as the target's p,
+    # whatever the draft distribution q is.
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    target_logits = torch.log(torch.stack([p, p]))  # position 0 and the bonus position
+    counts = torch.zeros(4)
+    trials = 2000
+    drafts = torch.multinomial(q.expand(trials, 4), 1, replacement=True, generator=gen)[:, 0].tolist()
+    for d in drafts:
+        accepted, correction = _verify_sampled([d], q[None], target_logits, 1.0, gen)
+        counts[d if accepted == 1 else correction] += 1
+    torch.testing.assert_close(counts / trials, p, rtol=0, atol=0.04)

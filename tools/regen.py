@@ -1,0 +1,298 @@
+"""``dflash-regen``: have the target answer prompts, as training data for its drafter.
+
+    dflash-regen --prompts prompts.jsonl --out data/regen.jsonl --config configs/demo.toml
+    dflash-regen --prompts prompts.jsonl --out data/regen.jsonl --model Qwen/Qwen3-8B --batch-size 32
+
+A drafter learns to predict what the *target* would say. Answers written by
+someone else (a human, a stronger model) teach it a distribution the target
+does not follow, which costs acceptance at inference; regenerating the answers
+with the target itself closes that gap.
+
+Each line of ``--prompts`` is ``{"messages": [...]}`` (the conversation is cut
+after its last user turn; later assistant turns are dropped) or
+``{"prompt": "..."}`` (one user turn). Each line written to ``--out`` is
+``{"messages": [..., {"role": "assistant", "content": ANSWER}], "prompt_line":
+N, "finish_reason": "stop" | "length"}``, which the target server reads as
+``data.source`` (extra keys are ignored).
+
+Generation is batched (left padding), greedy unless ``--temperature`` > 0,
+and resumable: lines already in ``--out`` are kept and their prompts skipped,
+a line cut short by a kill is dropped, and every batch is flushed to disk
+before the next starts. Rerun the same command after an interruption.
+
+Exit status: 0 done, 2 bad arguments, config, model or files, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+logger = logging.getLogger("tools.regen")
+
+Messages = list[dict[str, str]]
+
+
+class RegenError(RuntimeError):
+    """A prompts or output file cannot be used; the message says why."""
+
+
+@dataclass
+class Prompt:
+    line: int  # 1-based line number in the prompts file
+    messages: Messages
+
+
+# ---------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Prompts of ``path`` (``{"messages": [...]}`` or ``{"prompt": "..."}`` per line)."""
+    from target_server.data import ROLES
+
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise RegenError(f"cannot read prompts file {path}: {exc.strerror}") from None
+    prompts: list[Prompt] = []
+    with handle:
+        for lineno, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise RegenError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                messages = [{"role": "user", "content": record["prompt"]}]
+            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+                messages = record["messages"]
+                for j, m in enumerate(messages):
+                    if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+                        raise RegenError(f"{where}: messages[{j}] must be {{\"role\": one of {', '.join(ROLES)}, "
+                                         f"\"content\": string}}")
+                messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+                users = [j for j, m in enumerate(messages) if m["role"] == "user"]
+                if not users:
+                    raise RegenError(f"{where}: the conversation has no user turn to answer")
+                messages = messages[: users[-1] + 1]
+            else:
+                raise RegenError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}")
+            prompts.append(Prompt(line=lineno, messages=messages))
+    if not prompts:
+        raise RegenError(f"{path}: no prompts (the file is empty)")
+    return prompts
+
+
+def resume_state(out: Path, prompts: Sequence[Prompt]) -> set[int]:
+    """Prompt lines already answered in ``out``.
+
+    A last line without its newline (the process was killed while writing it)
+    is cut off. A record whose prompt is not the prompt on its line means
+    ``out`` was made from another prompts file: that is refused.
+    """
+    if not out.exists():
+        return set()
+    by_line = {p.line: p.messages for p in prompts}
+    with open(out, "rb") as f:
+        data = f.read()
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
+        logger.warning("[regen] %s ends with a partial line (%d bytes, interrupted write): dropping it",
+                       out, len(data) - complete)
+        with open(out, "r+b") as f:
+            f.truncate(complete)
+    done: set[int] = set()
+    for lineno, text in enumerate(data[:complete].decode("utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+            line, messages = int(record["prompt_line"]), record["messages"][:-1]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+            raise RegenError(f"{out}:{lineno} is not a dflash-regen record; pass another --out") from None
+        if by_line.get(line) != messages:
+            raise RegenError(f"{out}:{lineno} answers a prompt that is not line {line} of the prompts file: "
+                             f"{out} was made from other prompts; pass another --out or delete it")
+        if line in done:
+            raise RegenError(f"{out}:{lineno}: prompt line {line} is answered twice")
+        done.add(line)
+    return done
+
+
+# ---------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------
+
+
+def answer_batch(
+    model: Any,
+    tokenizer: Any,
+    batch: Sequence[Messages],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids: Sequence[int],
+    pad_token_id: int,
+    seed: int,
+) -> list[tuple[str, str, int]]:
+    """``(answer, finish_reason, new tokens)`` per conversation, generated in one batch."""
+    import torch
+
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in batch]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation continues at the right edge of every row
+    try:
+        enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = side
+    device = model.get_input_embeddings().weight.device
+    enc = {k: v.to(device) for k, v in enc.items()}
+    kwargs: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        kwargs["temperature"] = temperature
+        kwargs["top_k"] = 0
+        kwargs["top_p"] = 1.0
+        torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                             eos_token_id=list(stop_ids) or None, **kwargs)
+    new = out[:, enc["input_ids"].shape[1]:].tolist()
+    stops = set(stop_ids)
+    answers = []
+    for row in new:
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        tokens = row if end is None else row[:end]
+        answers.append((tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+                        "length" if end is None else "stop", len(tokens) + (end is not None)))
+    return answers
+
+
+def regenerate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    out: Path,
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+) -> dict[str, int]:
+    """Answer every prompt not yet in ``out`` and append the records; returns counts."""
+    done = resume_state(out, prompts)
+    todo = [p for p in prompts if p.line not in done]
+    if done:
+        logger.info("[regen] resuming: %d of %d prompts already answered in %s", len(done), len(prompts), out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    new_tokens = written = 0
+    with open(out, "a", encoding="utf-8") as f:
+        for first in range(0, len(todo), batch_size):
+            batch = todo[first : first + batch_size]
+            answers = answer_batch(model, tokenizer, [p.messages for p in batch], max_new_tokens=max_new_tokens,
+                                   temperature=temperature, stop_ids=stop_ids, pad_token_id=pad_token_id,
+                                   seed=seed + batch[0].line)
+            for prompt, (answer, finish, count) in zip(batch, answers):
+                record = {"messages": [*prompt.messages, {"role": "assistant", "content": answer}],
+                          "prompt_line": prompt.line, "finish_reason": finish}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                new_tokens += count
+            f.flush()
+            os.fsync(f.fileno())  # a batch is durable before the next one starts
+            written += len(batch)
+            elapsed = time.monotonic() - started
+            total_done = len(done) + written
+            eta = elapsed / written * (len(todo) - written)
+            logger.info("[regen] %d/%d prompts (%.0f%%), %.1f new tokens/s, %.0fs elapsed, eta %.0fs",
+                        total_done, len(prompts), 100.0 * total_done / len(prompts),
+                        new_tokens / max(elapsed, 1e-9), elapsed, eta)
+    return {"prompts": len(prompts), "skipped": len(done), "written": written, "new_tokens": new_tokens}
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-regen", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"messages\": [...]} or {\"prompt\": ...}")
+    p.add_argument("--out", type=Path, required=True, help="chat JSONL to write (appended to when resuming)")
+    p.add_argument("--config", help="job config whose [target] section names the model (default: built-in)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set target.device=cuda:0")
+    p.add_argument("--model", help="shortcut for --set target.model=MODEL")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default target.threads, else torch's)")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0:
+        p.error("--batch-size and --max-new-tokens must be >= 1, --temperature >= 0")
+
+    from common.config import ConfigError, load_config
+    from common.logging_setup import setup_logging
+
+    setup_logging("regen")
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"target.model={json.dumps(args.model)}")
+    try:
+        cfg = load_config(args.config, overrides)
+        prompts = read_prompts(args.prompts)
+        resume_state(args.out, prompts)  # refuse a foreign --out before the model loads
+
+        import torch
+
+        from target_server.model_loader import ModelLoadError, load_target
+
+        threads = args.threads if args.threads is not None else cfg.target.threads
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            loaded = load_target(cfg.target.model, device=cfg.target.device,
+                                 dtype=getattr(torch, cfg.target.dtype), tokenizer_source=cfg.target.tokenizer or None)
+        except ModelLoadError as exc:
+            raise RegenError(str(exc)) from None
+        stop_ids = _stop_ids(loaded)
+        counts = regenerate(loaded.model, loaded.tokenizer, prompts, args.out, batch_size=args.batch_size,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                            stop_ids=stop_ids, pad_token_id=loaded.pad_token_id)
+    except (ConfigError, RegenError) as exc:
+        print(f"dflash-regen: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash-regen: interrupted; finished batches are in {args.out}, rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    print(f"dflash-regen: {counts['written']} answers written, {counts['skipped']} already there: {args.out}")
+    return 0
+
+
+def _stop_ids(loaded: Any) -> list[int]:
+    ids = set()
+    for value in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
