@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast clean install-systemd tmux restart-drafter stop status logs report eval
+.PHONY: venv demo test test-fast clean bench-metrics soak install-systemd tmux restart-drafter stop status logs report eval
 
 # Operations targets (README "Operations"): which job config, and for `report` which run.
 CONFIG ?= configs/demo.toml
@@ -68,6 +68,15 @@ report: $(STAMP)
 DRAFTER ?= d0
 eval: $(STAMP)
 	$(PY) -m tools.eval $(RUN) --drafter $(DRAFTER) $(EVAL_ARGS)
+
+## make bench-metrics: throughput with metrics on vs off, and host syncs per step
+bench-metrics: $(STAMP)
+	$(PY) bench/metrics_overhead.py
+
+## make soak [SOAK_MINUTES=10]: run the job, restart a random drafter every minute, report memory and the ledger
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(PY) deploy/soak.py --config $(CONFIG) --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

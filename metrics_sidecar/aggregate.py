@@ -166,15 +166,20 @@ class WindowAggregator:
         now = self._clock()
         state = self.states.get(record.source)
         is_new = state is None
+        # Eval records (dflash-eval --watch) carry a checkpoint's step, which lags
+        # training: they must not rewind the source's progress, skew or step axis.
+        eval_only = bool(record.values) and all(k.startswith("eval/") for k in record.values)
         if state is None:
             state = self.states[record.source] = SourceState(step=record.step)
-        state.step = record.step
+        if not eval_only:
+            state.step = record.step
         state.values.update(record.values)
         state.last_seen = now
         upd = self._window.get(record.source)
         if upd is None:
             upd = self._window[record.source] = SourceState(step=record.step)
-        upd.step = record.step
+        elif not eval_only:
+            upd.step = record.step
         upd.values.update(record.values)
         upd.last_seen = now
         self.pending += 1

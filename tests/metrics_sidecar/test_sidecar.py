@@ -487,3 +487,18 @@ def test_process_port_in_use_exits_2_with_one_line(tmp_path, wandb_env):
     assert rc == 2
     text = [line for line in lines if line.strip()]
     assert len(text) == 1 and address in text[0] and "cannot bind" in text[0], lines
+
+
+def test_eval_records_do_not_rewind_a_drafters_step():
+    # Regression: dflash-eval --watch pushes eval/* at a checkpoint's (older) step;
+    # that moved the drafter's step back and faked step skew.
+    from common.metrics_client import make_metrics_record, parse_metrics_record, encode_metrics_record
+    from metrics_sidecar.aggregate import WindowAggregator
+
+    agg = WindowAggregator()
+    for source, step, values in [("drafter/d0", 60, {"loss": 1.0}), ("drafter/d1", 60, {"loss": 1.1}),
+                                 ("drafter/d0", 40, {"eval/tau": 1.2})]:
+        agg.add(parse_metrics_record(encode_metrics_record(make_metrics_record(source, step, values))))
+    window = agg.close_window({})
+    assert window.row["pipeline/step_skew"] == 0
+    assert window.row["drafter/d0/step"] == 60 and window.row["drafter/d0/eval/tau"] == 1.2
