@@ -101,6 +101,7 @@ class DrafterWorker:
         self.ledger.resumed(self.state.step if self.state else 0)
         self._checkpoint_step = self.state.step if self.state else 0
         self._embed: torch.Tensor | None = None
+        self._warmed_up = False
         self._head: torch.Tensor | None = None
         self._window = _Window()
         self._window_host: tuple[_Window, int, float] | None = None
@@ -156,6 +157,13 @@ class DrafterWorker:
                 timeout_s=self.cfg.transport.timeout_s, local_host=local_address_towards(welcome.store_host),
             )
             self._receive_weights(pair, welcome)
+            if not self._warmed_up:
+                start = time.perf_counter()
+                self.trainer.warm_up([tuple(b) for b in welcome.buckets], self.trainer.model.feature_size,
+                                     self._embed, self._head)
+                self._warmed_up = True
+                logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets),
+                            time.perf_counter() - start)
             receiver = Receiver(pair)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
@@ -290,6 +298,7 @@ class DrafterWorker:
         inflight = 0
         done = False
         sock.send(P.Request(credits=self.dcfg.credits).encode())
+        self._window = _Window()  # throughput windows start with training, not with start-up
         inflight_credits = self.dcfg.credits
         hb_every = welcome.heartbeat_interval_s
         timeout = welcome.heartbeat_timeout_s
