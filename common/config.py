@@ -88,12 +88,14 @@ class SecurityConfig:
 
 @dataclass
 class TransportConfig:
-    kind: str = _doc("data plane: 'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'", "auto")
+    kind: str = _doc("data plane: 'auto' (nccl on CUDA, gloo on CPU), 'nccl', 'gloo' or 'shm' (same host, shared memory)", "auto")
     timeout_s: float = _doc("bound on every data-plane wait (pair formation, send, receive)", 60.0)
+    shm_slots_per_bucket: int = _doc("shm: batch slots per length bucket in each drafter's ring (caps its batches in flight per bucket)", 4)
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("auto", "nccl", "gloo"), "transport.kind", "must be one of auto, nccl, gloo", self.kind)
+        _require(self.kind in ("auto", "nccl", "gloo", "shm"), "transport.kind", "must be one of auto, nccl, gloo, shm", self.kind)
         _require(self.timeout_s > 0, "transport.timeout_s", "must be > 0", self.timeout_s)
+        _require(self.shm_slots_per_bucket >= 1, "transport.shm_slots_per_bucket", "must be >= 1", self.shm_slots_per_bucket)
 
     def resolve(self, device: str) -> str:
         if self.kind != "auto":

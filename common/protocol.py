@@ -37,6 +37,15 @@ class ProtocolError(ValueError):
         self.message = message
 
 
+def optional(default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A field added after version 1: left out of the frame while it holds its default.
+
+    So a message that does not use the field encodes exactly as it did before the
+    field existed, and peers built before it still decode it (no version bump).
+    """
+    return field(default=default, default_factory=default_factory, metadata={"omit_if_default": True})
+
+
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
@@ -44,6 +53,11 @@ class Message:
     def encode(self) -> bytes:
         body = {"type": self.TYPE, "v": PROTOCOL_VERSION}
         body.update(dataclasses.asdict(self))
+        for f in dataclasses.fields(self):
+            if f.metadata.get("omit_if_default"):
+                default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                if body[f.name] == default:
+                    del body[f.name]
         return msgpack.packb(body, use_bin_type=True)
 
 
@@ -88,6 +102,13 @@ class Welcome(Message):
     registration_epoch: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    # transport "shm" only: the ring of batch slots (/dev/shm/<shm_name>) with
+    # shm_slots_per_bucket slots of shm_slot_bytes[bucket] bytes each, and the
+    # one-slot segment holding the frozen embedding/LM head (common.shm_transport).
+    shm_name: str = optional("")
+    shm_slot_bytes: list[int] = optional(default_factory=list)
+    shm_slots_per_bucket: int = optional(0)
+    shm_weights_name: str = optional("")
 
 
 @dataclass
@@ -121,6 +142,7 @@ class Batch(Message):
     nbytes: int
     tag: int
     num_tokens: int  # real (unpadded) tokens, so throughput needs no device read
+    slot: int = optional(-1)  # transport "shm": the ring slot of ``bucket`` that carries this batch
 
 
 @dataclass

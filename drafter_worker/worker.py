@@ -5,6 +5,10 @@ One control thread runs everything except the data-plane receives, which a
 the training step on the current one (credits >= 2). When the target goes
 away the worker keeps its state, retries with backoff and continues when the
 target is back; it never exits because of the target.
+
+With transport "shm" there is no pair group: the worker maps the ring named in
+WELCOME, the receiver waits for the slot named in each BATCH to carry its tag,
+and a CPU drafter trains on the slot in place; the ACK hands the slot back.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from common.dflash_model import DFlashDrafter, make_drafter_config
 from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
+from common.shm_transport import ShmRing
 from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
 from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize
@@ -42,12 +47,21 @@ class TargetUnavailable(RuntimeError):
 
 
 class Receiver(threading.Thread):
-    """Waits on posted receives in order and hands completed batches to the control thread."""
+    """Waits on posted receives in order and hands completed batches to the control thread.
 
-    def __init__(self, pair: PairGroup):
+    Over a pair group it receives into the posted buffer. Over an shm ring it
+    waits until the batch's slot carries its tag, then hands over the slot itself
+    (posted buffer None: trained in place) or copies it into the posted buffer
+    (a drafter on an accelerator).
+    """
+
+    def __init__(self, pair: PairGroup | None, ring: ShmRing | None = None, timeout_s: float = 0.0):
         super().__init__(name="receiver", daemon=True)
         self.pair = pair
-        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor] | None] = queue.Queue()
+        self.ring = ring
+        self.timeout_s = timeout_s
+        self._stopped = threading.Event()
+        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor | None] | None] = queue.Queue()
         self.ready: queue.Queue[tuple[P.Batch, torch.Tensor] | TransportError] = queue.Queue()
 
     def run(self) -> None:
@@ -57,13 +71,28 @@ class Receiver(threading.Thread):
                 return
             meta, buf = item
             try:
-                self.pair.recv(buf[: meta.nbytes], meta.tag)
+                if self.ring is None:
+                    self.pair.recv(buf[: meta.nbytes], meta.tag)
+                else:
+                    buf = self._from_ring(meta, buf)
             except TransportError as exc:
                 self.ready.put(exc)
                 return
             self.ready.put((meta, buf))
 
+    def _from_ring(self, meta: P.Batch, buf: torch.Tensor | None) -> torch.Tensor:
+        ring = self.ring
+        if not (0 <= meta.bucket < len(ring.slot_bytes) and 0 <= meta.slot < ring.slots_per_bucket):
+            raise TransportError(f"BATCH {meta.batch_id} names slot {meta.bucket}/{meta.slot}, which ring {ring.name} lacks")
+        ring.wait_ready(meta.bucket, meta.slot, meta.tag, self.timeout_s, stop=self._stopped)
+        slot = ring.payload(meta.bucket, meta.slot)
+        if buf is None:
+            return slot
+        buf[: meta.nbytes].copy_(slot[: meta.nbytes])
+        return buf
+
     def stop(self) -> None:
+        self._stopped.set()
         self.inbox.put(None)
 
 
@@ -147,24 +176,34 @@ class DrafterWorker:
         )
         receiver: Receiver | None = None
         pair: PairGroup | None = None
+        ring: ShmRing | None = None
         said_bye = False
         try:
             welcome = self._handshake(sock)
             self._ensure_model(welcome)
-            store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
-            pair = PairGroup(
-                kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK, device=self.device,
-                timeout_s=self.cfg.transport.timeout_s, local_host=local_address_towards(welcome.store_host),
-            )
-            self._receive_weights(pair, welcome)
             if not self._warmed_up:
+                # Before the data plane forms: the target does not hold an unpaired
+                # registration to the heartbeat timeout, so slow start-up is not fatal.
                 start = time.perf_counter()
+                stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device)
                 self.trainer.warm_up([tuple(b) for b in welcome.buckets], self.trainer.model.feature_size,
-                                     self._embed, self._head)
+                                     stand_in, stand_in)
+                del stand_in
                 self._warmed_up = True
                 logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets),
                             time.perf_counter() - start)
-            receiver = Receiver(pair)
+            sock.send(P.Heartbeat(step=self.trainer.step).encode())
+            if self.transport == "shm":
+                ring = self._attach_shm(welcome)
+            else:
+                store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
+                pair = PairGroup(
+                    kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK,
+                    device=self.device, timeout_s=self.cfg.transport.timeout_s,
+                    local_host=local_address_towards(welcome.store_host),
+                )
+                self._receive_weights(pair, welcome)
+            receiver = Receiver(pair, ring, self.cfg.transport.timeout_s)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
             if outcome != "reconnect":
@@ -184,6 +223,8 @@ class DrafterWorker:
                 receiver.join(timeout=min(self.cfg.transport.timeout_s, 0.3 * self.dcfg.stop_timeout_s))
                 if receiver.is_alive():
                     self.threads_left.append(receiver.name)
+            if ring is not None:
+                ring.close()  # the target unlinks it; this only drops our mapping
             if not said_bye and self._stop.is_set():
                 try:
                     sock.send(P.Bye(reason="stopping").encode(), flags=zmq.NOBLOCK)
@@ -290,9 +331,34 @@ class DrafterWorker:
         embed, head = layout.views(buf)
         self._embed, self._head = embed.float(), head.float()
 
+    def _attach_shm(self, welcome: P.Welcome) -> ShmRing:
+        """Map this registration's slot ring and copy the frozen weights from the target's segment."""
+        if not welcome.shm_name or not welcome.shm_weights_name or welcome.shm_slots_per_bucket < 1:
+            raise FatalError("the target uses transport shm but its WELCOME names no shared-memory ring")
+        timeout_s = self.cfg.transport.timeout_s
+        layout = WeightsLayout(welcome.vocab_size, welcome.hidden_size, welcome.embed_tied, dtype_from_name(welcome.dtype))
+        # Both segments exist before WELCOME is sent: one missing now means the target
+        # has ended this registration (or does not share our /dev/shm), so no waiting.
+        weights = ShmRing.attach(welcome.shm_weights_name, [layout.nbytes], 1)
+        try:
+            weights.wait_ready(0, 0, 1, timeout_s, stop=self._stop)
+            embed, head = layout.views(weights.payload(0, 0))
+            # Own copies: the segment is the target's, shared with every drafter.
+            self._embed = embed.to(self.device, torch.float32, copy=True)
+            self._head = self._embed if welcome.embed_tied else head.to(self.device, torch.float32, copy=True)
+        finally:
+            weights.close()
+        ring = ShmRing.attach(welcome.shm_name, welcome.shm_slot_bytes, welcome.shm_slots_per_bucket)
+        ring.mark_attached()
+        logger.info("[shm] mapped ring /dev/shm/%s (%d buckets x %d slots, %.1f MiB)",
+                    ring.name, len(ring.slot_bytes), ring.slots_per_bucket, ring.nbytes / 2**20)
+        return ring
+
     # ---------------------------------------------------------------- steady state
     def _train_loop(self, sock: zmq.Socket, receiver: Receiver, welcome: P.Welcome) -> str:
         trainer = self.trainer
+        # shm on the CPU: train on the ring slot itself, no buffer of our own.
+        in_place = receiver.ring is not None and self.device.type == "cpu"
         buffers: dict[int, list[torch.Tensor]] = {}
         layouts: dict[int, BatchLayout] = {}
         inflight = 0
@@ -327,8 +393,11 @@ class DrafterWorker:
                     layout = layouts.setdefault(
                         msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
                     )
-                    pool = buffers.setdefault(msg.bucket, [])
-                    buf = pool.pop() if pool else layout.allocate(self.device)
+                    if in_place:
+                        buf = None
+                    else:
+                        pool = buffers.setdefault(msg.bucket, [])
+                        buf = pool.pop() if pool else layout.allocate(self.device)
                     receiver.inbox.put((msg, buf))
                     inflight += 1
                     inflight_credits -= 1
@@ -338,6 +407,11 @@ class DrafterWorker:
                 elif isinstance(msg, P.Bye):
                     raise TargetUnavailable(f"target said BYE ({msg.reason})")
                 elif isinstance(msg, P.Error):
+                    if msg.code == P.E_STATE:
+                        # The target dropped this registration (it heard nothing for a heartbeat
+                        # timeout, e.g. while this side built its model): register again. Its
+                        # ERROR replies count as "heard", so waiting would never end.
+                        raise TargetUnavailable(f"target no longer knows this registration ({msg.message})")
                     logger.warning("target reported ERROR %s: %s", msg.code, msg.message)
             # A completed receive: train on it.
             try:
@@ -356,7 +430,8 @@ class DrafterWorker:
             if self._first_step_at is None:
                 self._first_step_at = time.monotonic()
             idle_since = time.monotonic()
-            buffers[meta.bucket].append(buf)
+            if not in_place:
+                buffers[meta.bucket].append(buf)
             self.state.coverage.add(meta.batch_id)
             self.state.step = trainer.step
             self.state.tokens_trained += meta.num_tokens

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -103,8 +104,12 @@ class BatchScheduler:
         )
 
     # ---- dispatch (control thread) ----
-    def take_for(self, group: str) -> ReadyBatch | None:
-        """The next batch for ``group`` if it is captured already; pins it until :meth:`release`."""
+    def take_for(self, group: str, accept: Callable[[int], bool] | None = None) -> ReadyBatch | None:
+        """The next batch for ``group`` if it is captured already; pins it until :meth:`release`.
+
+        ``accept(bucket)`` may decline the batch (the shm transport has no free slot
+        of its bucket): nothing changes and None is returned.
+        """
         with self._cond:
             state = self.groups[group]
             if state.redo:
@@ -116,6 +121,8 @@ class BatchScheduler:
             ready = self._ready.get(index)
             if ready is None:
                 self._cond.notify_all()  # the capture thread may have been idle
+                return None
+            if accept is not None and not accept(ready.bucket):
                 return None
             if state.redo and state.redo[0] == index:
                 state.redo.pop(0)

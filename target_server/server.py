@@ -7,7 +7,8 @@ Threads:
   plane or the model.
 - capture: asks the scheduler which batch some group needs, runs the target
   forward into a pre-allocated bucket buffer, publishes it.
-- one link thread per registration: forms the pair group and sends buffers.
+- one link thread per registration: forms the pair group and sends buffers
+  (transport "shm": creates the registration's slot ring and copies into it).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from common.dflash_model import build_target_layer_ids
 from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
-from common.transport import host_store, local_address_towards
+from common.shm_transport import ShmRing, segment_name, sweep_stale
+from common.transport import TransportError, host_store, local_address_towards
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
 from target_server.data import build_dataset
 from target_server.link import DrafterLink, LinkEvent
 from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
+from target_server.shm_link import ShmDrafterLink, SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class Registration:
     drafter_id: str
     group: str
     epoch: int
-    link: DrafterLink
+    link: DrafterLink | ShmDrafterLink
     pid: int
     registered_at: float
     last_seen: float
@@ -62,6 +65,7 @@ class Registration:
     checkpoint_step: int = 0
     next_tag: int = 1  # tag 0 carries the weights
     done_sent: bool = False
+    slots: SlotTable | None = None  # transport "shm": ring slots held by unacknowledged batches
 
 
 class TargetServer:
@@ -76,7 +80,8 @@ class TargetServer:
         self._sock: zmq.Socket | None = None
         self._store = None
         self._regs: dict[bytes, Registration] = {}
-        self._stopped_links: list[DrafterLink] = []  # joined at close
+        self._stopped_links: list[DrafterLink | ShmDrafterLink] = []  # joined at close
+        self._shm_weights: ShmRing | None = None
         self._offenders: set[bytes] = set()
         self._last_hello: dict[str, float] = {}
         self._events: queue.Queue[LinkEvent] = queue.Queue()
@@ -168,11 +173,25 @@ class TargetServer:
         w_embed.copy_(embed)
         if not tied:
             w_head.copy_(head)
+        if self.transport == "shm":
+            self._publish_shm_weights()
         self._warm_up()
         self._capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)
         self._capture_thread.start()
         self._started_at = time.monotonic()
         logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
+
+    def _publish_shm_weights(self) -> None:
+        """One segment of frozen weights for every shm registration of this target (drafters copy it)."""
+        sweep_stale()  # segments of targets that died without cleaning up
+        try:
+            ring = ShmRing.create(segment_name(os.getpid(), "weights"), [self.weights_layout.nbytes], 1)
+        except TransportError as exc:
+            raise StartupError(str(exc)) from None
+        ring.payload(0, 0).copy_(self.weights_buf)
+        ring.publish(0, 0, tag=1)
+        self._shm_weights = ring
+        logger.info("[startup] shm transport: weights in /dev/shm/%s (%.1f MiB)", ring.name, ring.nbytes / 2**20)
 
     def _warm_up(self) -> None:
         """Run every bucket shape once so allocator/kernel set-up is not in the first measured batch."""
@@ -288,6 +307,8 @@ class TargetServer:
         elif isinstance(msg, P.Ack):
             for batch_id in msg.batch_ids:
                 reg.inflight.discard(batch_id)
+                if reg.slots is not None:
+                    reg.slots.release(batch_id)
             reg.step = msg.step
             reg.checkpoint_step = msg.checkpoint_step
         elif isinstance(msg, P.Heartbeat):
@@ -344,15 +365,36 @@ class TargetServer:
                 self._drop(old, "replaced by a new registration")
         self._epoch_counter += 1
         epoch = self._epoch_counter
-        prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
-        link = DrafterLink(
-            name=f"{hello.drafter_id}-{epoch}", transport=self.transport,
-            store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
-            device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
-            events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
-        )
+        shm: dict = {}
+        slots = None
+        if self.transport == "shm":
+            # The ring's name is unique per target process and registration epoch.
+            prefix = segment_name(os.getpid(), "ring", hello.drafter_id, epoch)
+            slot_bytes = [layout.nbytes for layout in self.layouts]
+            per_bucket = self.cfg.transport.shm_slots_per_bucket
+            try:
+                link = ShmDrafterLink(
+                    name=f"{hello.drafter_id}-{epoch}", ring_name=prefix, slot_bytes=slot_bytes,
+                    slots_per_bucket=per_bucket, events=self._events,
+                )
+            except (TransportError, OSError) as exc:
+                logger.warning("[hello] drafter %s: cannot create its shm ring: %s", hello.drafter_id, exc)
+                self._send(identity, P.Error(P.E_BUSY, f"target cannot create a shm ring: {exc}"))
+                return
+            slots = SlotTable(len(self.layouts), per_bucket)
+            shm = {"shm_name": prefix, "shm_slot_bytes": slot_bytes, "shm_slots_per_bucket": per_bucket,
+                   "shm_weights_name": self._shm_weights.name}
+        else:
+            prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
+            link = DrafterLink(
+                name=f"{hello.drafter_id}-{epoch}", transport=self.transport,
+                store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
+                device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
+                events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
+            )
         now = time.monotonic()
-        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step)
+        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step,
+                           slots=slots)
         self._regs[identity] = reg
         self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
         link.start()
@@ -387,6 +429,7 @@ class TargetServer:
             registration_epoch=epoch,
             heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
             heartbeat_timeout_s=self.cfg.control.heartbeat_timeout_s,
+            **shm,
         ))
         logger.info(
             "[hello] drafter %s (group %s, pid %d) registered as epoch %d; covers < %d (+%d more), step %d",
@@ -424,18 +467,24 @@ class TargetServer:
     def _dispatch(self) -> None:
         for reg in list(self._regs.values()):
             while reg.credits > 0:
-                ready = self.scheduler.take_for(reg.group)
+                # shm: never hand out a batch whose bucket has no free slot in this drafter's ring.
+                ready = self.scheduler.take_for(reg.group, reg.slots.has_free if reg.slots is not None else None)
                 if ready is None:
                     break
                 tag = reg.next_tag
                 reg.next_tag = tag + 1 if tag < (1 << 30) else 1
                 layout = ready.layout
+                slot = reg.slots.assign(ready.plan_index, ready.bucket) if reg.slots is not None else -1
                 self._send(reg.identity, P.Batch(
                     batch_id=ready.plan_index, epoch=ready.epoch, bucket=ready.bucket, sample_ids=ready.sample_ids,
                     batch_size=layout.batch_size, seq_len=layout.seq_len, feature_dim=layout.feature_dim,
                     dtype=self.cfg.target.dtype, nbytes=layout.nbytes, tag=tag, num_tokens=ready.num_tokens,
+                    slot=slot,
                 ))
-                reg.link.enqueue(ready, tag)
+                if reg.slots is not None:
+                    reg.link.enqueue(ready, tag, slot)
+                else:
+                    reg.link.enqueue(ready, tag)
                 reg.credits -= 1
                 reg.inflight.add(ready.plan_index)
             if not reg.done_sent and not reg.inflight and self.scheduler.finished(reg.group):
@@ -446,6 +495,10 @@ class TargetServer:
     def _heartbeat_and_reap(self, now: float) -> None:
         timeout = self.cfg.control.heartbeat_timeout_s
         for reg in list(self._regs.values()):
+            if not reg.link.paired and now - reg.registered_at < self.cfg.transport.timeout_s:
+                # Still building its model / warming up / forming the pair: bounded by the
+                # data-plane timeout instead (a pair that never forms fails its link).
+                continue
             if now - reg.last_seen > timeout:
                 self._drop(reg, f"silent for {now - reg.last_seen:.1f}s (heartbeat timeout {timeout:.1f}s)")
             else:
@@ -514,6 +567,10 @@ class TargetServer:
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.threads_left = [t.name for t in threads if t.is_alive()]
+        if self._shm_weights is not None:
+            self._shm_weights.unlink()
+            self._shm_weights.close()
+            self._shm_weights = None
         if hasattr(self, "_metrics"):
             self._metrics.close()
         if self._sock is not None:

@@ -25,12 +25,14 @@ SAMPLES: dict[str, P.Message] = {
                      "nested": {"a": [1, 2.5, None, True]}},
         buckets=[[12, 64], [6, 128], [4, 192]], store_host="127.0.0.1", store_port=5556,
         pair_prefix="pair/d0/3", registration_epoch=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0,
+        shm_name="dflash.42.ring.d0.3", shm_slot_bytes=[1024, 2048, 4096], shm_slots_per_bucket=4,
+        shm_weights_name="dflash.42.weights",
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
     "BATCH": P.Batch(
         batch_id=7, epoch=0, bucket=1, sample_ids=[3, 1, 4, 1, 5, 9], batch_size=6, seq_len=128,
-        feature_dim=2880, dtype="bfloat16", nbytes=4_500_000, tag=12, num_tokens=700,
+        feature_dim=2880, dtype="bfloat16", nbytes=4_500_000, tag=12, num_tokens=700, slot=3,
     ),
     "ACK": P.Ack(batch_ids=[5, 6, 7], step=12, checkpoint_step=10),
     "HEARTBEAT": P.Heartbeat(step=99),
@@ -88,6 +90,21 @@ def test_encode_is_plain_msgpack(name):
     assert body["type"] == name
     assert body["v"] == PROTOCOL_VERSION
     assert set(body) == {"type", "v"} | {f.name for f in dataclasses.fields(MESSAGE_TYPES[name])}
+
+
+# Guards against the shm fields changing what gloo/nccl peers exchange: a message
+# that leaves them at their defaults must encode exactly as before they existed,
+# so a peer built before them still decodes it.
+@pytest.mark.parametrize("name,added", [
+    ("BATCH", {"slot"}), ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name"}),
+])
+def test_fields_added_later_are_left_out_at_their_defaults(name, added):
+    msg = dataclasses.replace(SAMPLES[name], **{f.name: f.default if f.default is not dataclasses.MISSING
+                                                 else f.default_factory()
+                                                 for f in dataclasses.fields(MESSAGE_TYPES[name]) if f.name in added})
+    body = body_of(msg)
+    assert not added & set(body)
+    assert decode(msg.encode()) == msg
 
 
 @pytest.mark.parametrize("name", ["HELLO", "HEARTBEAT", "BYE", "DONE"])

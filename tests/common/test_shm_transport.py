@@ -1,0 +1,239 @@
+"""Tests for common/shm_transport.py: two processes sharing a ring, timeouts, and who removes a segment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from common.shm_transport import SHM_DIR, ShmRing, ring_nbytes, segment_name, sweep_stale, unlink_segment
+from common.transport import TransportError
+from tests.conftest import ROOT
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
+]
+
+SLOTS = [1000, 4096]  # one size not a multiple of 64
+
+
+@pytest.fixture
+def name():
+    name = segment_name("test", os.getpid(), uuid.uuid4().hex[:8])
+    yield name
+    unlink_segment(name)
+    unlink_segment(name + ".tmp")
+
+
+def child(code: str, *args: str, wait: bool = True, timeout_s: float = 30.0):
+    """Run ``code`` in a fresh interpreter (a real second process, own resource tracker if any)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err
+    return out
+
+
+def test_layout_offsets_are_aligned_and_sizes_add_up(name):
+    ring = ShmRing.create(name, SLOTS, 3)
+    try:
+        assert ring.nbytes == ring_nbytes(SLOTS, 3) == (SHM_DIR / name).stat().st_size
+        for bucket, size in enumerate(SLOTS):
+            for index in range(3):
+                view = ring.payload(bucket, index)
+                assert view.dtype == torch.uint8 and view.numel() == size
+                assert view.data_ptr() % 64 == 0
+                assert ring.tag(bucket, index) == 0
+        # Slots do not overlap.
+        for bucket in range(2):
+            for index in range(3):
+                ring.payload(bucket, index).fill_(bucket * 3 + index + 1)
+        for bucket in range(2):
+            for index in range(3):
+                assert ring.payload(bucket, index).eq(bucket * 3 + index + 1).all()
+    finally:
+        ring.unlink()
+        ring.close()
+
+
+def test_publish_in_one_process_is_read_in_place_by_another(name):
+    ring = ShmRing.create(name, SLOTS, 2)
+    try:
+        reader = child(
+            """
+            import sys
+            from common.shm_transport import ShmRing
+            ring = ShmRing.attach(sys.argv[1], [1000, 4096], 2, timeout_s=10)
+            ring.mark_attached()
+            ring.wait_ready(1, 1, 41, timeout_s=20)
+            data = ring.payload(1, 1)
+            print(int(data[:4096].sum()), int(data[0]), int(data[4095]))
+            # Answer through the ring: the owner sees it in its own mapping.
+            ring.payload(0, 0)[:10].fill_(9)
+            ring.publish(0, 0, 42)
+            ring.close()
+            """,
+            name, wait=False,
+        )
+        deadline = time.monotonic() + 20
+        while ring.attached_pid == 0:
+            assert time.monotonic() < deadline and reader.poll() is None, reader.communicate()
+            time.sleep(0.01)
+        assert ring.attached_pid == reader.pid
+        payload = ring.payload(1, 1)
+        payload.fill_(1)
+        payload[0], payload[4095] = 7, 5
+        ring.publish(1, 1, 41)
+        ring.wait_ready(0, 0, 42, timeout_s=20)
+        assert ring.payload(0, 0)[:10].eq(9).all()
+        out, err = reader.communicate(timeout=20)
+        assert reader.returncode == 0, err
+        assert out.split() == [str(4096 - 2 + 7 + 5), "7", "5"]
+    finally:
+        ring.unlink()
+        ring.close()
+
+
+def test_wait_ready_times_out_with_a_transport_error(name):
+    ring = ShmRing.create(name, SLOTS, 1)
+    try:
+        ring.publish(0, 0, 3)
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="did not get tag 4 within"):
+            ring.wait_ready(0, 0, 4, timeout_s=0.2)
+        assert 0.15 < time.monotonic() - start < 2.0
+        ring.wait_ready(0, 0, 3, timeout_s=0.0)  # already there: no wait at all
+    finally:
+        ring.unlink()
+        ring.close()
+
+
+def test_stop_event_ends_a_wait_early(name):
+    ring = ShmRing.create(name, SLOTS, 1)
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransportError, match="stopped"):
+            ring.wait_ready(0, 0, 1, timeout_s=30, stop=stop)
+        assert time.monotonic() - start < 5
+    finally:
+        ring.unlink()
+        ring.close()
+
+
+def test_attach_side_exit_never_unlinks_and_the_owner_does(name):
+    # Guards against multiprocessing.shared_memory's resource tracker, which unlinks a
+    # segment when any process that attached it exits.
+    ring = ShmRing.create(name, SLOTS, 2)
+    ring.payload(0, 1)[:3].fill_(5)
+    ring.publish(0, 1, 11)
+    out = child(
+        """
+        import sys
+        from common.shm_transport import ShmRing
+        ring = ShmRing.attach(sys.argv[1], [1000, 4096], 2)
+        ring.wait_ready(0, 1, 11, timeout_s=5)
+        print(int(ring.payload(0, 1)[:3].sum()))
+        ring.close()
+        """,
+        name,
+    )
+    assert out.strip() == "15"
+    assert (SHM_DIR / name).exists(), "the attaching process removed the owner's segment"
+    # Attached rings cannot remove it either.
+    attached = ShmRing.attach(name, SLOTS, 2)
+    with pytest.raises(TransportError, match="only the creator"):
+        attached.unlink()
+    attached.close()
+    assert (SHM_DIR / name).exists()
+    # The owner's unlink removes the name; a mapping still held stays usable.
+    view = ring.payload(0, 1)
+    ring.unlink()
+    ring.close()
+    assert not (SHM_DIR / name).exists()
+    assert int(view[:3].sum()) == 15
+    with pytest.raises(TransportError, match="closed"):
+        ring.payload(0, 0)
+    ring.unlink()  # idempotent
+
+
+def test_attach_waits_for_a_segment_created_later_and_times_out_when_none_comes(name):
+    holder: list[ShmRing] = []
+    timer = threading.Timer(0.3, lambda: holder.append(ShmRing.create(name, SLOTS, 1)))
+    timer.start()
+    try:
+        ring = ShmRing.attach(name, SLOTS, 1, timeout_s=10)
+        ring.close()
+    finally:
+        timer.join()
+        for owned in holder:
+            owned.unlink()
+            owned.close()
+    with pytest.raises(TransportError, match="one host sharing"):
+        ShmRing.attach(name, SLOTS, 1, timeout_s=0.1)
+
+
+def test_attach_refuses_a_segment_of_another_layout(name):
+    ring = ShmRing.create(name, SLOTS, 2)
+    try:
+        with pytest.raises(TransportError, match="bytes"):
+            ShmRing.attach(name, SLOTS, 3)
+        with pytest.raises(TransportError, match="bytes"):
+            ShmRing.attach(name, [1000, 8192], 2)
+    finally:
+        ring.unlink()
+        ring.close()
+
+
+def test_a_name_with_a_slash_is_refused():
+    with pytest.raises(ValueError, match="segment name"):
+        ShmRing.create("../etc/passwd", SLOTS, 1)
+    assert "/" not in segment_name("pair/d0", 12, "a b")
+
+
+def test_sweep_removes_segments_of_a_killed_creator_and_keeps_live_ones(name):
+    live = ShmRing.create(name, SLOTS, 1)
+    dead_name = name + ".dead"
+    proc = child(
+        """
+        import sys, time
+        from common.shm_transport import ShmRing
+        ring = ShmRing.create(sys.argv[1], [1000, 4096], 1)
+        print("ready", flush=True)
+        time.sleep(60)
+        """,
+        dead_name, wait=False,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        # While its creator lives, the segment is locked and kept.
+        assert dead_name not in sweep_stale()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert (SHM_DIR / dead_name).exists(), "kill -9 leaves the segment behind: the sweep must find it"
+        removed = sweep_stale()
+        assert dead_name in removed and name not in removed
+        assert not (SHM_DIR / dead_name).exists()
+        assert (SHM_DIR / name).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        unlink_segment(dead_name)
+        live.unlink()
+        live.close()
