@@ -73,6 +73,11 @@ eval: $(STAMP)
 bench-metrics: $(STAMP)
 	$(PY) bench/metrics_overhead.py
 
+## make bench: every throughput benchmark side by side (table of ratios; bench/results.json); about 5 minutes on 2 cores
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
 ## make soak [SOAK_MINUTES=10]: run the job, restart a random drafter every minute, report memory and the ledger
 SOAK_MINUTES ?= 10
 soak: $(STAMP)

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# GPU check on one CUDA device (sized for one H200: under 8 minutes in all).
+#
+#   bench/gpu_check.sh            # from the repository root or anywhere
+#   OUT=/some/dir bench/gpu_check.sh
+#
+# Sections (each with its own time limit; a failed section does not stop the others):
+#   1. environment   torch / CUDA / triton versions, nvidia-smi
+#   2. sync          target capture steps and drafter train steps (with a metrics
+#                    snapshot and its deferred poll) under sync_guard(cuda), i.e.
+#                    torch.cuda.set_sync_debug_mode("error")      (bench/gpu_check.py)
+#   3. fused-kernel  the Triton LM-head loss against the reference:
+#                    pytest -m gpu tests/common/test_fused_lm_loss.py
+#   4. fused-bench   python bench/fused_loss_bench.py --device cuda (peak memory and time)
+#   5. throughput    capture and train-step tokens/s in bf16 on SmolLM2 (if its package is
+#                    installed) and on a random Llama-8B-shaped few-layer model (bench/gpu_check.py)
+# Every output goes under $OUT (default runs/gpu_check); a summary is printed at the end.
+# Exit status: 0 when every section passed, 1 otherwise, 2 without a CUDA device.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/runs/gpu_check}"
+mkdir -p "$OUT"
+if [[ -n "${PYTHON:-}" ]]; then
+    PY="$PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then
+    PY="$ROOT/.venv/bin/python"
+else
+    PY="$(command -v python3 || command -v python)"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+
+STARTED=$SECONDS
+declare -a SUMMARY=()
+FAILED=0
+
+section() {
+    echo
+    echo "=== [$(date +%T), +$((SECONDS - STARTED))s] $* ==="
+}
+
+# run NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, show its tail, record the outcome.
+run() {
+    local name="$1" limit="$2"
+    shift 2
+    section "$name (limit ${limit}s): $*"
+    local start=$SECONDS rc=0
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+    tail -n 25 "$OUT/$name.log"
+    local outcome="ok"
+    if ((rc == 124 || rc == 137)); then
+        outcome="TIMED OUT after ${limit}s"
+    elif ((rc != 0)); then
+        outcome="FAILED (exit $rc)"
+    fi
+    if [[ "$outcome" != ok ]]; then
+        FAILED=1
+    fi
+    SUMMARY+=("$(printf '%-13s %-26s %4ss  log %s' "$name" "$outcome" "$((SECONDS - start))" "$OUT/$name.log")")
+}
+
+section "environment ($PY, OUT=$OUT)"
+if ! "$PY" - <<'EOF' 2>&1 | tee "$OUT/environment.log"; then
+import sys
+import torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError:
+    print("triton not installed: the fused kernel tests will skip")
+if not torch.cuda.is_available():
+    sys.exit("no CUDA device visible to torch")
+print("device", torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+EOF
+    echo "gpu_check: no usable CUDA device; nothing to check" >&2
+    exit 2
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
+
+run sync 120 "$PY" bench/gpu_check.py --device cuda --sections sync --targets smollm2,llama8b --steps 4 --out "$OUT/sync"
+run fused-kernel 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/common/test_fused_lm_loss.py
+run fused-bench 75 "$PY" bench/fused_loss_bench.py --device cuda --out "$OUT/fused_loss.json"
+run throughput 135 "$PY" bench/gpu_check.py --device cuda --sections throughput --targets smollm2,llama8b --out "$OUT/throughput"
+
+section "summary (${SECONDS}s in all)"
+for line in "${SUMMARY[@]}"; do
+    echo "  $line"
+done
+"$PY" - "$OUT" <<'EOF' || true
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for name in ("sync", "throughput"):
+    path = out / name / "gpu_check.json"
+    if not path.exists():
+        print(f"  {name}: no result file")
+        continue
+    sys.path.insert(0, "bench")
+    from gpu_check import summary
+    print("\n".join("  " + line for line in summary(json.loads(path.read_text())).splitlines()))
+path = out / "fused_loss.json"
+if path.exists():
+    r = json.loads(path.read_text())
+    for name, m in r["methods"].items():
+        extra = ""
+        if "mem_ratio_vs_plain" in m:
+            extra = f"  mem x{m['mem_ratio_vs_plain']:.3f} time x{m['time_ratio_vs_plain']:.2f} rel err {m['rel_err_loss']:.1e}"
+        print(f"  fused loss {name:>8}: {m['time_s'] * 1e3:8.2f} ms  peak {m['peak_bytes'] / 2**20:8.1f} MiB{extra}")
+EOF
+exit "$FAILED"
