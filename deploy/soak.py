@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             code = procs[victim].wait(120)
             procs[victim] = _start(f"drafter-{victim}", "drafter_worker", [*common, "--id", victim], logs)
             restarts += 1
+            time.sleep(5.0)  # let the new process get past exec before reading its memory
             print(f"soak: restarted {victim} (exit {code}, {before:.0f} MB before); "
                   + ", ".join(f"{k}={rss_mb(p.pid):.0f}MB" for k, p in procs.items()), flush=True)
         end_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
