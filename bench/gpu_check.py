@@ -27,7 +27,6 @@ and prints a summary; exit status 1 when a sync check failed or a section broke.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -32,7 +32,42 @@ class LinkEvent:
     seconds: float = 0.0
 
 
-class DrafterLink(threading.Thread):
+class LinkThread(threading.Thread):
+    """What every link kind shares: an ordered outbox of batches, result events, a stop flag."""
+
+    def __init__(self, *, name: str, prefix: str, events: "queue.Queue[LinkEvent]"):
+        super().__init__(name=f"link-{name}", daemon=True)
+        self.prefix = prefix
+        self._events = events
+        self._outbox: queue.Queue[tuple | None] = queue.Queue()
+        self._stopped = threading.Event()
+
+    def _next_item(self) -> tuple | None:
+        """The next queued batch, or None once the link is stopping."""
+        while not self._stopped.is_set():
+            try:
+                item = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            return item
+        return None
+
+    def _drain_unsent(self) -> None:
+        """Hand back buffers queued but never sent, so their pins are released."""
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._events.put(LinkEvent(self, "failed", item[0], "link closed before send"))
+
+    def _signal_stop(self) -> None:
+        self._stopped.set()
+        self._outbox.put(None)
+
+
+class DrafterLink(LinkThread):
     def __init__(
         self,
         *,
@@ -46,18 +81,14 @@ class DrafterLink(threading.Thread):
         events: "queue.Queue[LinkEvent]",
         local_host: str,
     ):
-        super().__init__(name=f"link-{name}", daemon=True)
+        super().__init__(name=name, prefix=prefix, events=events)
         self._transport = transport
         self._store_address = store_address
-        self.prefix = prefix
         self._device = device
         self._timeout_s = timeout_s
         self._weights = weights
-        self._events = events
         self._local_host = local_host
-        self._outbox: queue.Queue[tuple[ReadyBatch, int] | None] = queue.Queue()
         self._pair: PairGroup | None = None
-        self._stopped = threading.Event()
 
     @property
     def paired(self) -> bool:
@@ -85,13 +116,7 @@ class DrafterLink(threading.Thread):
             if self._stopped.is_set():
                 return
             self._pair.send(self._weights, tag=0)
-            while not self._stopped.is_set():
-                try:
-                    item = self._outbox.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
+            while (item := self._next_item()) is not None:
                 ready, tag = item
                 start = time.perf_counter()
                 try:
@@ -108,19 +133,8 @@ class DrafterLink(threading.Thread):
         finally:
             self._drain_unsent()
 
-    def _drain_unsent(self) -> None:
-        """Hand back buffers queued but never sent, so their pins are released."""
-        while True:
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._events.put(LinkEvent(self, "failed", item[0], "link closed before send"))
-
     def stop(self) -> None:
         """Abort the pair without waiting for the peer; the thread exits promptly."""
-        self._stopped.set()
-        self._outbox.put(None)
+        self._signal_stop()
         if self._pair is not None:
             self._pair.abort()

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 
 from common.shm_transport import ShmRing, unlink_segment
 from common.transport import TransportError
-from target_server.link import LinkEvent
+from target_server.link import LinkEvent, LinkThread
 from target_server.scheduler import ReadyBatch
 
 logger = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class SlotTable:
         return len(self._held)
 
 
-class ShmDrafterLink(threading.Thread):
+class ShmDrafterLink(LinkThread):
     def __init__(
         self,
         *,
@@ -66,13 +65,9 @@ class ShmDrafterLink(threading.Thread):
         slots_per_bucket: int,
         events: "queue.Queue[LinkEvent]",
     ):
-        super().__init__(name=f"link-{name}", daemon=True)
-        self.prefix = ring_name
+        super().__init__(name=name, prefix=ring_name, events=events)
         self._slot_bytes = list(slot_bytes)
         self._slots_per_bucket = slots_per_bucket
-        self._events = events
-        self._outbox: queue.Queue[tuple[ReadyBatch, int, int] | None] = queue.Queue()
-        self._stopped = threading.Event()
         # Raises TransportError (the caller refuses the registration).
         self._ring: ShmRing | None = ShmRing.create(ring_name, self._slot_bytes, slots_per_bucket, reserve=False)
 
@@ -91,13 +86,7 @@ class ShmDrafterLink(threading.Thread):
         ring = self._ring
         try:
             ring.reserve()
-            while not self._stopped.is_set():
-                try:
-                    item = self._outbox.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
+            while (item := self._next_item()) is not None:
                 ready, tag, slot = item
                 nbytes = ready.layout.nbytes
                 start = time.perf_counter()
@@ -117,18 +106,7 @@ class ShmDrafterLink(threading.Thread):
             self._ring = None
             ring.close()
 
-    def _drain_unsent(self) -> None:
-        """Hand back buffers queued but never copied, so their pins are released."""
-        while True:
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._events.put(LinkEvent(self, "failed", item[0], "link closed before send"))
-
     def stop(self) -> None:
         """End the registration's data plane now: the ring's name goes at once, the thread exits promptly."""
-        self._stopped.set()
-        self._outbox.put(None)
+        self._signal_stop()
         unlink_segment(self.prefix)

@@ -300,7 +300,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
         f"  tau: {report['tau']:.3f} tokens/step (block size {report['block_size']}; "
         f"per prompt min {min(report['tau_per_prompt']):.2f} max {max(report['tau_per_prompt']):.2f})",
-        f"  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
+        "  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
         f"  acceptance rate by block position 1..{report['block_size'] - 1}: {rates}",
         f"  speculative: {report['spec_tokens_per_s']:.1f} tokens/s",
     ]
