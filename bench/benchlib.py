@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.ports import free_ports  # noqa: E402,F401  (re-exported for the benchmarks)
+
 # Nothing a benchmark runs may reach a model hub or W&B's servers.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled", "WANDB_SILENT": "true"}
 for _key, _value in OFFLINE_ENV.items():
@@ -30,19 +31,6 @@ for _key, _value in OFFLINE_ENV.items():
 def median(values: Iterable[float]) -> float:
     values = list(values)
     return statistics.median(values) if values else float("nan")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on loopback."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def write_json(path: str | Path | None, data: dict[str, Any]) -> None:

@@ -1,5 +1,4 @@
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -9,24 +8,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.ports import free_ports  # noqa: E402,F401  (re-exported for the tests)
+
 # Nothing in the tests may reach a model hub or W&B's servers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="session")
