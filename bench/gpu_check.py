@@ -1,6 +1,6 @@
 """The torch parts of ``bench/gpu_check.sh``: sync guard and throughput on one device.
 
-    python bench/gpu_check.py --device cuda [--sections sync,throughput] [--out DIR]
+    python bench/gpu_check.py --device cuda [--sections sync,overlap,throughput] [--out DIR]
     python bench/gpu_check.py --device cpu      # the same code on tiny sizes (validates the script)
 
 Sections:
@@ -13,6 +13,14 @@ Sections:
   read fails the check unless it is a known third-party one (transformers'
   packed-sequence check, as in tests/target_server/test_capture_no_sync.py),
   which is reported next to the result.
+- ``overlap``: the streams the pipeline uses (``common.streams.SideStream``)
+  against one stream. Target: capture batch n on a capture stream while batch
+  n-1 is copied out to pinned host memory on a send stream (the copy stands in
+  for the NCCL send, which one GPU cannot pair with itself), ordered by events
+  only. Drafter: copy batch n+1 in on a receive stream while training on batch
+  n. Each reports one-stream time / side-stream time per batch (above 1.0: the
+  transfer hides behind compute) and the host reads the overlapped loop made
+  (under the sync guard; 0 expected besides the known third-party one).
 - ``throughput``: capture tokens/s and train-step tokens/s (bf16 on CUDA) for
   each target of ``--targets``: ``smollm2`` (the real SmolLM2-135M, when its
   package is installed) and ``llama8b`` (a random model with Llama-3.1-8B's
@@ -41,6 +49,7 @@ from benchlib import drafter_trainer, write_json
 
 from common.config import DrafterConfig  # noqa: E402
 from common.dflash_model import build_target_layer_ids  # noqa: E402
+from common.streams import SideStream, record_current  # noqa: E402
 from common.sync_guard import sync_guard  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
 
@@ -206,6 +215,79 @@ def _guarded(device: torch.device, fn) -> dict[str, Any]:
     return result
 
 
+def overlap(bench: Bench, steps: int) -> dict[str, Any]:
+    """One stream vs the pipeline's side streams, for the target (capture || send) and the drafter (receive || train)."""
+    device, cuda = bench.device, bench.device.type == "cuda"
+    feats = [bench.features, torch.empty_like(bench.features)]
+    host = [torch.empty(bench.features.shape, dtype=bench.features.dtype, pin_memory=cuda) for _ in range(2)]
+    host[0].normal_()
+    host[1].normal_()
+
+    def target_serial() -> None:
+        for i in range(steps):
+            bench.capture.run(bench.input_ids, feats[i % 2])
+            host[i % 2].copy_(feats[i % 2], non_blocking=True)
+
+    capture, send = SideStream(device), SideStream(device)
+
+    def target_streams() -> None:
+        capture.wait_default()
+        send.wait_default()
+        sent: list[Any] = [None, None]
+        for i in range(steps):
+            b = i % 2
+            capture.wait(sent[b])  # the buffer's previous send has read it
+            with capture.active():
+                bench.capture.run(bench.input_ids, feats[b])
+            send.wait(capture.record())
+            with send.active():
+                host[b].copy_(feats[b], non_blocking=True)
+            sent[b] = send.record()
+        if cuda:
+            torch.cuda.current_stream(device).wait_stream(send.stream)
+
+    trainer = bench.drafter(torch.float32)
+
+    def train_on(b: int) -> None:
+        trainer.train_step(feats[b].float(), bench.ids32, bench.loss_mask, bench.lengths, *bench.weights[torch.float32])
+
+    def drafter_serial() -> None:
+        for i in range(steps):
+            feats[(i + 1) % 2].copy_(host[(i + 1) % 2], non_blocking=True)
+            train_on(i % 2)
+
+    recv = SideStream(device)
+
+    def drafter_streams() -> None:
+        recv.wait_default()
+        freed: list[Any] = [None, None]
+        for i in range(steps):
+            nxt = (i + 1) % 2
+            recv.wait(freed[nxt])  # the step that last read this buffer is done with it
+            with recv.active():
+                feats[nxt].copy_(host[nxt], non_blocking=True)
+            arrived = recv.record()
+            train_on(i % 2)
+            freed[i % 2] = record_current(device)
+            if cuda:
+                torch.cuda.current_stream(device).wait_event(arrived)
+
+    out: dict[str, Any] = {"bytes_per_batch": bench.features.numel() * bench.features.element_size()}
+    for side, serial, streams in (("target", target_serial, target_streams), ("drafter", drafter_serial, drafter_streams)):
+        one = bench.timed(serial, 1)
+        two = bench.timed(streams, 1)
+        with sync_guard(device, mode="record") as report:
+            streams()
+        sync(device)
+        unexpected = [v for v in report.violations if not _known(v)]
+        out[side] = {"one_stream_ms": one / steps * 1e3, "side_streams_ms": two / steps * 1e3,
+                     "speedup": one / two, "host_reads": len(report.violations), "ok": not unexpected}
+        if unexpected:
+            out[side]["error"] = "\n".join(v.message for v in unexpected[:5])[:3000]
+    out["ok"] = out["target"]["ok"] and out["drafter"]["ok"]
+    return out
+
+
 def throughput(bench: Bench, steps: int) -> dict[str, Any]:
     tokens = bench.input_ids.numel()
     out: dict[str, Any] = {"batch": list(bench.input_ids.shape), "captured_layers": bench.layer_ids,
@@ -228,7 +310,7 @@ def throughput(bench: Bench, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--sections", default="sync,throughput")
+    parser.add_argument("--sections", default="sync,overlap,throughput")
     parser.add_argument("--targets", default=None, help="comma list of smollm2, llama8b, tiny (default: by device)")
     parser.add_argument("--llama-layers", type=int, default=8, help="layers of the llama8b-shaped target")
     parser.add_argument("--batch", type=int, default=None, help="sequences per batch (default 8 on CUDA, 2 on CPU)")
@@ -270,10 +352,13 @@ def main(argv: list[str] | None = None) -> int:
                 if section == "sync":
                     entry["sync"] = check_sync(bench, steps=max(3, min(steps, 6)), log_every=2)
                     failed |= not all(r["ok"] for r in entry["sync"].values())
+                elif section == "overlap":
+                    entry["overlap"] = overlap(bench, steps)
+                    failed |= not entry["overlap"]["ok"]
                 elif section == "throughput":
                     entry["throughput"] = throughput(bench, steps)
                 else:
-                    raise ValueError(f"unknown section {section!r} (sync, throughput)")
+                    raise ValueError(f"unknown section {section!r} (sync, overlap, throughput)")
             except Exception as exc:  # noqa: BLE001 - reported, the other sections still run
                 entry[section] = {"ok": False, "error": traceback.format_exc()[-3000:]}
                 print(f"[gpu_check] {which}: {section} broke: {exc}", file=sys.stderr, flush=True)
@@ -303,6 +388,16 @@ def summary(report: dict[str, Any]) -> str:
                 if check.get("known_third_party"):
                     state += f" (known third-party host reads: {', '.join(check['known_third_party'])})"
                 lines.append(f"  {entry['name']}: sync guard, {name}: {state}")
+        o = entry.get("overlap")
+        if o and "target" in o:
+            for side in ("target", "drafter"):
+                r = o[side]
+                state = "ok" if r["ok"] else f"FAILED: {r.get('error', '')[:300]}"
+                lines.append(f"  {entry['name']}: overlap, {side}: one stream {r['one_stream_ms']:.2f} ms/batch, "
+                             f"side streams {r['side_streams_ms']:.2f} ms/batch (x{r['speedup']:.2f}); "
+                             f"host reads {r['host_reads']}: {state}")
+        elif o:
+            lines.append(f"  {entry['name']}: overlap broke: {str(o.get('error', ''))[-300:]}")
         t = entry.get("throughput")
         if t and "capture_tokens_per_s" in t:
             trains = ", ".join(f"{k.removeprefix('train_tokens_per_s_')} {v:,.0f}" for k, v in t.items()

@@ -8,7 +8,9 @@
 #   1. environment   torch / CUDA / triton versions, nvidia-smi
 #   2. sync          target capture steps and drafter train steps (with a metrics
 #                    snapshot and its deferred poll) under sync_guard(cuda), i.e.
-#                    torch.cuda.set_sync_debug_mode("error")      (bench/gpu_check.py)
+#                    torch.cuda.set_sync_debug_mode("error"); then the overlap check: capture
+#                    || copy-out and receive || train on the pipeline's side streams
+#                    against one stream, ordered by events only     (bench/gpu_check.py)
 #   3. fused-kernel  the Triton LM-head loss against the reference:
 #                    pytest -m gpu tests/common/test_fused_lm_loss.py
 #   4. fused-bench   python bench/fused_loss_bench.py --device cuda (peak memory and time)
@@ -81,7 +83,7 @@ EOF
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 
-run sync 120 "$PY" bench/gpu_check.py --device cuda --sections sync --targets smollm2,llama8b --steps 4 --out "$OUT/sync"
+run sync 150 "$PY" bench/gpu_check.py --device cuda --sections sync,overlap --targets smollm2,llama8b --steps 4 --out "$OUT/sync"
 run fused-kernel 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/common/test_fused_lm_loss.py
 run fused-bench 75 "$PY" bench/fused_loss_bench.py --device cuda --out "$OUT/fused_loss.json"
 run throughput 135 "$PY" bench/gpu_check.py --device cuda --sections throughput --targets smollm2,llama8b --out "$OUT/throughput"

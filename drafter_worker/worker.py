@@ -31,6 +31,7 @@ from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.shm_transport import ShmRing
+from common.streams import SideStream, record_current, wait_current
 from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
 from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize
@@ -53,32 +54,45 @@ class Receiver(threading.Thread):
     waits until the batch's slot carries its tag, then hands over the slot itself
     (posted buffer None: trained in place) or copies it into the posted buffer
     (a drafter on an accelerator).
+
+    On a GPU the receives run on a stream of this thread's own: each waits only
+    on its buffer's ``free_event`` (recorded after the last training step that
+    read the buffer), so receiving batch n+1 overlaps training on batch n, and
+    the batch is handed over with an event the training stream waits on.
     """
 
-    def __init__(self, pair: PairGroup | None, ring: ShmRing | None = None, timeout_s: float = 0.0):
+    def __init__(self, pair: PairGroup | None, ring: ShmRing | None = None, timeout_s: float = 0.0,
+                 device: torch.device = torch.device("cpu")):
         super().__init__(name="receiver", daemon=True)
         self.pair = pair
         self.ring = ring
         self.timeout_s = timeout_s
+        self.device = device
         self._stopped = threading.Event()
-        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor | None] | None] = queue.Queue()
-        self.ready: queue.Queue[tuple[P.Batch, torch.Tensor] | TransportError] = queue.Queue()
+        # (BATCH, buffer to fill or None, event after which the buffer may be written)
+        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor | None, object] | None] = queue.Queue()
+        # (BATCH, filled buffer, event after which it may be read)
+        self.ready: queue.Queue[tuple[P.Batch, torch.Tensor, object] | TransportError] = queue.Queue()
 
     def run(self) -> None:
+        stream = SideStream(self.device)
+        stream.wait_default()  # buffers allocated (zeroed) on the default stream
         while True:
             item = self.inbox.get()
             if item is None:
                 return
-            meta, buf = item
+            meta, buf, free_event = item
             try:
-                if self.ring is None:
-                    self.pair.recv(buf[: meta.nbytes], meta.tag)
-                else:
-                    buf = self._from_ring(meta, buf)
+                stream.wait(free_event)
+                with stream.active():
+                    if self.ring is None:
+                        self.pair.recv(buf[: meta.nbytes], meta.tag)
+                    else:
+                        buf = self._from_ring(meta, buf)
             except TransportError as exc:
                 self.ready.put(exc)
                 return
-            self.ready.put((meta, buf))
+            self.ready.put((meta, buf, stream.record()))
 
     def _from_ring(self, meta: P.Batch, buf: torch.Tensor | None) -> torch.Tensor:
         ring = self.ring
@@ -203,7 +217,7 @@ class DrafterWorker:
                     local_host=local_address_towards(welcome.store_host),
                 )
                 self._receive_weights(pair, welcome)
-            receiver = Receiver(pair, ring, self.cfg.transport.timeout_s)
+            receiver = Receiver(pair, ring, self.cfg.transport.timeout_s, self.device)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
             if outcome != "reconnect":
@@ -359,7 +373,8 @@ class DrafterWorker:
         trainer = self.trainer
         # shm on the CPU: train on the ring slot itself, no buffer of our own.
         in_place = receiver.ring is not None and self.device.type == "cpu"
-        buffers: dict[int, list[torch.Tensor]] = {}
+        # Free buffers per bucket, each with the event after which it may be overwritten.
+        buffers: dict[int, list[tuple[torch.Tensor, object]]] = {}
         layouts: dict[int, BatchLayout] = {}
         inflight = 0
         done = False
@@ -394,11 +409,15 @@ class DrafterWorker:
                         msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
                     )
                     if in_place:
-                        buf = None
+                        buf, free_event = None, None
                     else:
                         pool = buffers.setdefault(msg.bucket, [])
-                        buf = pool.pop() if pool else layout.allocate(self.device)
-                    receiver.inbox.put((msg, buf))
+                        if pool:
+                            buf, free_event = pool.pop()
+                        else:
+                            buf = layout.allocate(self.device)
+                            free_event = record_current(self.device)
+                    receiver.inbox.put((msg, buf, free_event))
                     inflight += 1
                     inflight_credits -= 1
                 elif isinstance(msg, P.Done):
@@ -420,18 +439,20 @@ class DrafterWorker:
                 continue
             if isinstance(item, TransportError):
                 raise item
-            meta, buf = item
+            meta, buf, ready_event = item
             inflight -= 1
             wait_s = time.monotonic() - idle_since
             features, input_ids, loss_mask, lengths = layouts[meta.bucket].views(buf)
             start = time.perf_counter()
+            wait_current(self.device, ready_event)  # device-side: the receive's stream filled buf
             lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
             compute_s = time.perf_counter() - start
             if self._first_step_at is None:
                 self._first_step_at = time.monotonic()
             idle_since = time.monotonic()
             if not in_place:
-                buffers[meta.bucket].append(buf)
+                # Reusable once the step just issued has read it (device-side order).
+                buffers[meta.bucket].append((buf, record_current(self.device)))
             self.state.coverage.add(meta.batch_id)
             self.state.step = trainer.step
             self.state.tokens_trained += meta.num_tokens

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.streams import SideStream
 from common.transport import TARGET_RANK, PairGroup, TransportError, connect_store
 from target_server.scheduler import ReadyBatch
 
@@ -115,12 +116,20 @@ class DrafterLink(LinkThread):
             )
             if self._stopped.is_set():
                 return
-            self._pair.send(self._weights, tag=0)
+            # Sends go on a stream of this thread's own (NCCL orders a send after the
+            # current stream), ordered after each batch's capture by its event only.
+            stream = SideStream(self._device)
+            stream.wait_default()  # the weights were written on the default stream
+            with stream.active():
+                self._pair.send(self._weights, tag=0)
             while (item := self._next_item()) is not None:
                 ready, tag = item
                 start = time.perf_counter()
                 try:
-                    self._pair.send(ready.buffer[: ready.layout.nbytes], tag)
+                    stream.wait(ready.ready_event)
+                    with stream.active():
+                        # Returns once the transfer is complete, so "sent" frees the buffer.
+                        self._pair.send(ready.buffer[: ready.layout.nbytes], tag)
                 except TransportError:
                     self._events.put(LinkEvent(self, "failed", ready, "send failed"))
                     raise

@@ -35,6 +35,9 @@ class ReadyBatch:
     buffer: torch.Tensor
     layout: BatchLayout
     pins: int = 0  # sends in progress that read this buffer
+    # CUDA: recorded on the capture stream after the batch was written; a link's
+    # stream waits on it before reading the buffer (None on the CPU).
+    ready_event: object = None
 
 
 @dataclass

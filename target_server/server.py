@@ -31,6 +31,7 @@ from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.shm_transport import ShmRing, segment_name, sweep_stale
+from common.streams import SideStream
 from common.transport import TransportError, host_store, local_address_towards
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
@@ -205,6 +206,10 @@ class TargetServer:
     # ---------------------------------------------------------------- capture thread
     def _capture_loop(self) -> None:
         pad_id = self.loaded.pad_token_id
+        # The capture runs on a stream of its own, so the links' sends (each on its own
+        # stream, ordered after a batch by its ready_event) overlap the next forward.
+        stream = SideStream(self.device)
+        stream.wait_default()  # weights and buffers were written on the default stream
         try:
             while not self._stop.is_set():
                 got = self.scheduler.next_to_capture(timeout_s=0.5)
@@ -219,18 +224,21 @@ class TargetServer:
                     input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
                     if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
                         input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
-                    ids.copy_(input_ids, non_blocking=True)
-                    mask.copy_(loss_mask, non_blocking=True)
-                    lengths.copy_(lens, non_blocking=True)
                     real = sum(min(len(s), layout.seq_len) for s in samples)
                     start = time.perf_counter()
-                    self.capture.run(ids.long(), features)
+                    with stream.active():
+                        ids.copy_(input_ids, non_blocking=True)
+                        mask.copy_(loss_mask, non_blocking=True)
+                        lengths.copy_(lens, non_blocking=True)
+                        self.capture.run(ids.long(), features)
+                    ready_event = stream.record()
                     elapsed = time.perf_counter() - start
                 except Exception:
                     self.scheduler.abandon(index, buf)
                     raise
                 self.scheduler.publish(
-                    ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout)
+                    ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
+                               ready_event=ready_event)
                 )
                 with self._stats_lock:
                     self._captured_batches += 1

@@ -22,6 +22,7 @@ import queue
 import time
 
 from common.shm_transport import ShmRing, unlink_segment
+from common.streams import SideStream
 from common.transport import TransportError
 from target_server.link import LinkEvent, LinkThread
 from target_server.scheduler import ReadyBatch
@@ -84,6 +85,7 @@ class ShmDrafterLink(LinkThread):
 
     def run(self) -> None:
         ring = self._ring
+        stream: SideStream | None = None  # a CUDA target's copies out of its buffers
         try:
             ring.reserve()
             while (item := self._next_item()) is not None:
@@ -91,7 +93,11 @@ class ShmDrafterLink(LinkThread):
                 nbytes = ready.layout.nbytes
                 start = time.perf_counter()
                 try:
-                    ring.payload(ready.bucket, slot)[:nbytes].copy_(ready.buffer[:nbytes])
+                    if stream is None:
+                        stream = SideStream(ready.buffer.device)
+                    stream.wait(ready.ready_event)
+                    with stream.active():  # device-to-host copies return once the bytes are in the slot
+                        ring.payload(ready.bucket, slot)[:nbytes].copy_(ready.buffer[:nbytes])
                     ring.publish(ready.bucket, slot, tag)
                 except (TransportError, RuntimeError, IndexError) as exc:
                     self._events.put(LinkEvent(self, "failed", ready, f"copy into slot {ready.bucket}/{slot} failed"))

@@ -91,3 +91,5 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert report["tiny"]["sync"]["capture"]["ok"] and report["tiny"]["sync"]["train_step"]["ok"]
     assert report["tiny"]["sync"]["train_step"]["snapshots_read"] >= 1
     assert report["tiny"]["throughput"]["capture_tokens_per_s"] > 0
+    overlap = report["tiny"]["overlap"]
+    assert overlap["ok"] and overlap["drafter"]["host_reads"] == 0, overlap
