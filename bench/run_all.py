@@ -9,7 +9,7 @@ prints one table of ratios and writes every number to ``bench/results.json``
 1. pipeline efficiency: end-to-end drafter tokens/s of a real job (target +
    1 drafter + sidecar processes over gloo) / the slower of target-alone and
    drafter-alone on the same batch shapes (``bench/pipeline_bench.py``);
-2. transport: ``shm`` ring / memcpy of the same bytes, and ``PairGroup``
+2. transport: ``shm`` (the zero-copy batch pool) / memcpy of the same bytes, and ``PairGroup``
    (gloo) / raw ``init_process_group("gloo")`` send/recv, for one batch
    (``bench/transport_bench.py``);
 3. target capture (hooks, stop after the last captured layer) / plain
@@ -113,20 +113,26 @@ def rows(results: dict[str, Any], errors: dict[str, str]) -> list[tuple[str, ...
             out.append(("2a", "shm / memcpy", "n/a (shm transport missing)", f"{gb['memcpy_ring']:.1f} GB/s", "n/a",
                         ">= 0.8", "n/a"))
         else:
-            out.append(("2a", f"shm / memcpy ({t['nbytes'] / 1e6:.1f} MB, ring-sized working set)",
+            read = "read in place" if t.get("consume", "sum") == "sum" else "copied out"
+            out.append(("2a", f"shm (zero-copy pool, {read}) / memcpy ({t['nbytes'] / 1e6:.1f} MB, ring-sized set)",
                         f"{gb['shm']:.1f} GB/s", f"{gb['memcpy_ring']:.1f} GB/s", _f(t["shm_vs_memcpy"]), ">= 0.8",
                         _met(t["shm_vs_memcpy"] >= 0.8)))
             out.append(("", "  shm / memcpy, one cache-resident buffer", f"{gb['shm']:.1f} GB/s",
                         f"{gb['memcpy']:.1f} GB/s", _f(t["shm_vs_memcpy_hot"]), "", ""))
-            out.append(("", "  shm / both processes copying at once, no hand-off", f"{gb['shm']:.1f} GB/s",
-                        f"{gb['memcpy_pair']:.1f} GB/s", _f(t["shm_vs_memcpy_pair"]), "(explains)", ""))
             out.append(("", "  shm / gloo PairGroup (same batch)", f"{gb['shm']:.1f} GB/s", f"{gb['gloo_pair']:.2f} GB/s",
                         _f(gb["shm"] / gb["gloo_pair"]), "", ""))
+            if "shm_copy" in gb:
+                out.append(("", "  a copying ring (producer copies into the slot) / memcpy", f"{gb['shm_copy']:.1f} GB/s",
+                            f"{gb['memcpy_ring']:.1f} GB/s", _f(t["shm_copy_vs_memcpy"]), "(replaced)", ""))
+                out.append(("", "  a copying ring / both processes copying at once", f"{gb['shm_copy']:.1f} GB/s",
+                            f"{gb['memcpy_pair']:.1f} GB/s", _f(t["shm_copy_vs_memcpy_pair"]), "(explains)", ""))
             b = t["shm_breakdown_ms"]
-            out.append(("", "  shm ms/batch: write, wait slot | wait, read",
-                        f"{b['producer_write_ms']:.2f}, {b['producer_ack_wait_ms']:.2f} | "
-                        f"{b['consumer_wait_ms']:.2f}, {b['consumer_read_ms']:.2f}",
-                        f"memcpy {t['memcpy_ring_ms']:.2f}", "", "", ""))
+            for kind in ("shm", "shm_copy"):
+                if f"{kind}/producer_write_ms" in b:
+                    out.append(("", f"  {kind} ms/batch: write, wait slot | wait, read",
+                                f"{b[f'{kind}/producer_write_ms']:.2f}, {b[f'{kind}/producer_ack_wait_ms']:.2f} | "
+                                f"{b[f'{kind}/consumer_wait_ms']:.2f}, {b[f'{kind}/consumer_read_ms']:.2f}",
+                                f"memcpy {t['memcpy_ring_ms']:.2f}", "", "", ""))
         out.append(("2b", "gloo PairGroup / raw gloo send+recv", f"{gb['gloo_pair']:.2f} GB/s", f"{gb['gloo_raw']:.2f} GB/s",
                     _f(t["gloo_pair_vs_raw"]), ">= 0.9", _met(t["gloo_pair_vs_raw"] >= 0.9)))
     elif "transport" in errors:

@@ -17,10 +17,17 @@ float32, about 8.9 MB. Methods, all moving the same bytes:
   buffers, nothing passed between them (the slower side's rate): what the
   machine gives two busy processes, i.e. the ceiling of any two-process
   hand-off; ``shm`` against it isolates the hand-off's own cost;
-- ``shm``: ``common.shm_transport.ShmRing``: the producer copies the batch into
-  a slot and publishes it; the consumer waits for it (``wait_ready``), copies
-  it out and acknowledges over a pipe (the control plane's ACK, which frees the
-  slot); ``--slots`` slots keep both sides busy at once;
+- ``shm``: the transport as the job runs it (``target_server/shm_pool.py``):
+  the batch is already in a slot of a ``common.shm_transport.ShmRing`` (the
+  target's capture writes it there), so the producer only marks the slot as
+  being written and publishes its new tag; the consumer waits for the tag
+  (``wait_ready``), reads the slot in place (``--consume sum``: every byte, as
+  a CPU drafter's step reads its features) and acknowledges over a pipe (the
+  control plane's ACK, which frees the slot); ``--slots`` slots keep both
+  sides busy at once;
+- ``shm_copy``: the same, but the producer copies the batch into the slot
+  first: a copying ring (the design the zero-copy pool replaced), shown to
+  explain why;
 - ``gloo_raw``: ``torch.distributed.send``/``recv`` of a group made with
   ``init_process_group("gloo")`` (the baseline of ``gloo_pair``);
 - ``gloo_pair``: ``common.transport.PairGroup`` send/recv, as the target and
@@ -57,7 +64,7 @@ from common.packing import BatchLayout  # noqa: E402
 from common.transport import DRAFTER_RANK, TARGET_RANK, PairGroup, connect_store, host_store  # noqa: E402
 
 TIMEOUT_S = 60.0
-METHODS = ("memcpy", "memcpy_ring", "memcpy_pair", "shm", "gloo_raw", "gloo_pair")
+METHODS = ("memcpy", "memcpy_ring", "memcpy_pair", "shm", "shm_copy", "gloo_raw", "gloo_pair")
 
 
 def _load_shm(module_name: str) -> tuple[Any, str]:
@@ -129,14 +136,14 @@ def consumer(conn, ports: list[int], nbytes: int, shm_name: str, slots: int, shm
                     dist.recv(buf, src=TARGET_RANK, tag=tag)
                 elif kind == "gloo_pair":
                     pair.recv(buf, tag)
-                elif kind == "shm":
+                elif kind in ("shm", "shm_copy"):
                     slot = i % slots
                     t0 = time.perf_counter()
                     ring.wait_ready(0, slot, tag, TIMEOUT_S)  # raises TransportError on timeout
                     t1 = time.perf_counter()
-                    if consume == "copy":
+                    if consume == "copy":  # a drafter on an accelerator copies the slot to its device
                         dst.copy_(ring.payload(0, slot)[:nbytes])
-                    else:  # read in place, as train_step reads its features
+                    else:  # read in place, as a CPU drafter's train_step reads its features
                         checksum += int(ring.payload(0, slot)[:nbytes].view(torch.int64).sum())
                     wait_s += t1 - t0
                     copy_s += time.perf_counter() - t1
@@ -190,26 +197,28 @@ class Producer:
                 dist.send(self.src, dst=DRAFTER_RANK, tag=first_tag + i)
             elif kind == "gloo_pair":
                 self.pair.send(self.src, first_tag + i)
-            elif kind == "shm":
+            elif kind in ("shm", "shm_copy"):
                 slot = i % self.slots
                 t0 = time.perf_counter()
                 if i >= self.slots:
                     self._expect("ack", i - self.slots)
                 t1 = time.perf_counter()
-                self.ring.payload(0, slot)[: self.nbytes].copy_(self.src)
+                self.ring.publish(0, slot, 0)  # being written (what the capture thread does first)
+                if kind == "shm_copy":
+                    self.ring.payload(0, slot)[: self.nbytes].copy_(self.src)
                 self.ring.publish(0, slot, first_tag + i)
                 ack_s += t1 - t0
                 copy_s += time.perf_counter() - t1
-        if kind == "shm":
+        if kind in ("shm", "shm_copy"):
             for i in range(max(0, iters - self.slots), iters):
                 self._expect("ack", i)
         _, times, breakdown = self._expect("done")
         if kind == "memcpy_pair":  # the slower of the two sides bounds a pipeline of the two
             return min(_rate(times, self.nbytes), _rate(own, self.nbytes))
-        if kind == "shm":
+        if kind in ("shm", "shm_copy"):
             breakdown.update(producer_ack_wait_ms=1e3 * ack_s / iters, producer_write_ms=1e3 * copy_s / iters)
             for key, value in breakdown.items():
-                self.breakdown.setdefault(key, []).append(value)
+                self.breakdown.setdefault(f"{kind}/{key}", []).append(value)
         return _rate(times, self.nbytes)
 
     def _expect(self, kind: str, value: Any = None) -> tuple:
@@ -233,8 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=7, help="measured rounds (after one warm-up round)")
     parser.add_argument("--iters", type=int, default=20, help="transfers per method per round")
     parser.add_argument("--slots", type=int, default=3, help="shm slots (target.ready_batches)")
-    parser.add_argument("--consume", choices=["copy", "sum"], default="copy",
-                        help="what the shm consumer does with a slot: copy it out (default) or sum it in place")
+    parser.add_argument("--consume", choices=["copy", "sum"], default="sum",
+                        help="what the shm consumer does with a slot: sum it in place (default) or copy it out")
     parser.add_argument("--shm-module", default="common.shm_transport", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     layout = BatchLayout(1, args.tokens, args.feature_dim, getattr(torch, args.dtype))
     nbytes = layout.nbytes
     ring_cls, shm_missing = _load_shm(args.shm_module)
-    methods = [m for m in METHODS if m != "shm" or ring_cls is not None]
+    methods = [m for m in METHODS if not m.startswith("shm") or ring_cls is not None]
     if ring_cls is None:
         print(f"shm: n/a ({shm_missing})")
 
@@ -298,6 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["shm_vs_memcpy"] = ratio("shm", "memcpy_ring")
         result["shm_vs_memcpy_hot"] = ratio("shm", "memcpy")
         result["shm_vs_memcpy_pair"] = ratio("shm", "memcpy_pair")
+        result["shm_copy_vs_memcpy"] = ratio("shm_copy", "memcpy_ring")
+        result["shm_copy_vs_memcpy_pair"] = ratio("shm_copy", "memcpy_pair")
         result["shm_breakdown_ms"] = {k: median(v) for k, v in producer.breakdown.items()}
         result["memcpy_ring_ms"] = 1e3 * nbytes / median(rates["memcpy_ring"])
     for name, value in gbps.items():

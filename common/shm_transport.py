@@ -1,10 +1,13 @@
-"""Data plane on one host: a ring of shared-memory slots per drafter registration.
+"""Data plane on one host: slots of shared memory, written by the target and read in place by drafters.
+
+The target keeps its batch buffers in one such segment (``target_server/shm_pool.py``)
+and its frozen embedding/LM-head weights in another.
 
 A segment is a file in ``/dev/shm`` (tmpfs) mapped ``MAP_SHARED`` by both
 sides; :meth:`ShmRing.payload` is a zero-copy ``torch.uint8`` view of one slot.
 Layout (every offset a multiple of 64)::
 
-    ring header (64 B): magic, total bytes, slots per bucket, buckets, attached pid
+    ring header (64 B): magic, total bytes, slots per bucket, buckets, reserved
     for each bucket b, for each slot i:
         slot header (64 B): int64 sequence tag
         payload: slot_bytes[b] rounded up to 64
@@ -12,14 +15,16 @@ Layout (every offset a multiple of 64)::
 The writer fills a payload, then stores its tag (:meth:`ShmRing.publish`); the
 reader polls the tag (:meth:`ShmRing.wait_ready`) and reads the payload in place.
 The control plane says which slot and tag to expect (``BATCH.slot``/``tag``)
-and frees the slot (``ACK``), so a slot is never written while it is read.
+and frees the slot (``ACK``), so a slot is never written while it is read;
+a reader that checks the tag again after reading detects a slot that was
+(wrongly) rewritten under it, because the writer zeroes the tag first.
 
 Lifetime, without a resource tracker (``multiprocessing.shared_memory``
 registers segments with a tracker that unlinks them when *any* attaching
 process exits; plain files avoid that):
 
 - The creator (the target) names the segment, holds a shared ``flock`` on it
-  for as long as it lives, and unlinks it when the registration ends. The
+  for as long as it lives, and unlinks it when it stops serving it. The
   kernel drops the lock when the creator dies, even by SIGKILL, so
   :func:`sweep_stale` (run at target start-up) can tell a leaked segment
   from a live one and unlink it; that also holds across PID namespaces.
@@ -66,9 +71,8 @@ _MAGIC = 0x314D48534C464644  # b"DFLFSHM1" little-endian
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _FENCE_LOCK = threading.Lock()
-# Ring header fields (int64 each): magic, total bytes, slots per bucket, buckets, attached pid.
+# Ring header fields (int64 each): magic, total bytes, slots per bucket, buckets, reserved.
 _RING_FIELDS = struct.Struct("<qqqqq")
-_ATTACHED_OFFSET = 32
 _TAG = struct.Struct("<q")
 
 
@@ -89,9 +93,9 @@ def _reserve(fd: int, total: int) -> None:
             raise
         free = os.statvfs(SHM_DIR)
         raise TransportError(
-            f"{SHM_DIR} has no room for a {total / 2**20:.1f} MiB shm ring "
-            f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free); lower transport.shm_slots_per_bucket "
-            "or data.tokens_per_batch, or enlarge /dev/shm (docker: --shm-size)"
+            f"{SHM_DIR} has no room for a {total / 2**20:.1f} MiB shared-memory segment "
+            f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free); lower transport.shm_slots_per_bucket, "
+            "target.ready_batches or data.tokens_per_batch, or enlarge /dev/shm (docker: --shm-size)"
         ) from None
 
 
@@ -324,16 +328,6 @@ class ShmRing:
                 raise TransportError(f"stopped while waiting for slot {bucket}/{index} of shm ring {self.name}")
             time.sleep(pause)
             pause = min(pause * 2, 5e-4)
-
-    # ---------------------------------------------------------------- attachment marker
-    def mark_attached(self, pid: int | None = None) -> None:
-        """The attacher records its pid, so the owner can tell a mapped ring from an unused one."""
-        _TAG.pack_into(self._live(), _ATTACHED_OFFSET, os.getpid() if pid is None else pid)
-
-    @property
-    def attached_pid(self) -> int:
-        mm = self._mm
-        return 0 if mm is None else _TAG.unpack_from(mm, _ATTACHED_OFFSET)[0]
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:

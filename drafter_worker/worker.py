@@ -6,9 +6,10 @@ the training step on the current one (credits >= 2). When the target goes
 away the worker keeps its state, retries with backoff and continues when the
 target is back; it never exits because of the target.
 
-With transport "shm" there is no pair group: the worker maps the ring named in
-WELCOME, the receiver waits for the slot named in each BATCH to carry its tag,
-and a CPU drafter trains on the slot in place; the ACK hands the slot back.
+With transport "shm" there is no pair group: the worker maps the target's batch
+pool named in WELCOME, the receiver waits for the slot named in each BATCH to
+carry its tag, and a CPU drafter trains on the slot in place (the target's
+capture wrote it there: no copy anywhere); the ACK hands the slot back.
 """
 
 from __future__ import annotations
@@ -103,11 +104,26 @@ class Receiver(threading.Thread):
         if buf is None:
             return slot
         buf[: meta.nbytes].copy_(slot[: meta.nbytes])
+        _check_slot_kept(ring, meta)
         return buf
 
     def stop(self) -> None:
         self._stopped.set()
         self.inbox.put(None)
+
+
+def _check_slot_kept(ring: ShmRing, meta: P.Batch) -> None:
+    """Raise when the batch's pool slot was rewritten while it was read (sequence-lock check).
+
+    The target recaptures a slot only after every drafter it went to has ACKed it,
+    or after dropping such a drafter's registration; so this fires only for a
+    drafter the target had already given up on, whose read may be torn.
+    """
+    if ring.tag(meta.bucket, meta.slot) != meta.tag:
+        raise TransportError(
+            f"slot {meta.bucket}/{meta.slot} of the target's pool was rewritten while batch {meta.batch_id} was read "
+            "from it: the target had dropped this registration"
+        )
 
 
 @dataclass
@@ -346,7 +362,7 @@ class DrafterWorker:
         self._embed, self._head = embed.float(), head.float()
 
     def _attach_shm(self, welcome: P.Welcome) -> ShmRing:
-        """Map this registration's slot ring and copy the frozen weights from the target's segment."""
+        """Map the target's batch pool and copy the frozen weights from its weights segment."""
         if not welcome.shm_name or not welcome.shm_weights_name or welcome.shm_slots_per_bucket < 1:
             raise FatalError("the target uses transport shm but its WELCOME names no shared-memory ring")
         timeout_s = self.cfg.transport.timeout_s
@@ -363,8 +379,7 @@ class DrafterWorker:
         finally:
             weights.close()
         ring = ShmRing.attach(welcome.shm_name, welcome.shm_slot_bytes, welcome.shm_slots_per_bucket)
-        ring.mark_attached()
-        logger.info("[shm] mapped ring /dev/shm/%s (%d buckets x %d slots, %.1f MiB)",
+        logger.info("[shm] mapped the target's batch pool /dev/shm/%s (%d buckets x %d slots, %.1f MiB)",
                     ring.name, len(ring.slot_bytes), ring.slots_per_bucket, ring.nbytes / 2**20)
         return ring
 
@@ -447,6 +462,13 @@ class DrafterWorker:
             wait_current(self.device, ready_event)  # device-side: the receive's stream filled buf
             lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
             compute_s = time.perf_counter() - start
+            if in_place:
+                # Only if the target dropped us mid-step (and its grace period ran out): the step
+                # is done and is accounted as usual, so say loudly that its input was torn.
+                try:
+                    _check_slot_kept(receiver.ring, meta)
+                except TransportError as exc:
+                    logger.error("[shm] %s; step %d trained on a torn batch", exc, trainer.step)
             if self._first_step_at is None:
                 self._first_step_at = time.monotonic()
             idle_since = time.monotonic()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -34,10 +33,13 @@ class ReadyBatch:
     num_tokens: int
     buffer: torch.Tensor
     layout: BatchLayout
-    pins: int = 0  # sends in progress that read this buffer
+    pins: int = 0  # drafters the batch went to that may still read this buffer (a send, or shm: until ACK)
     # CUDA: recorded on the capture stream after the batch was written; a link's
     # stream waits on it before reading the buffer (None on the CPU).
     ready_event: object = None
+    # transport "shm": the pool slot that is this batch's buffer, and the tag it was published with.
+    shm_slot: int = -1
+    shm_tag: int = 0
 
 
 @dataclass
@@ -60,15 +62,18 @@ class BatchScheduler:
         total_batches: int | None,
         device: torch.device,
         pin_memory: bool = False,
+        buffers: list[list[torch.Tensor]] | None = None,
     ):
+        """``slots_per_bucket`` batches per bucket are captured ahead of the groups; ``buffers``
+        (transport shm: the shared pool's slots, more than that per bucket) replaces allocating them."""
         self._bucket_of = bucket_of  # plan index -> bucket
         self.layouts = layouts
         self.total_batches = total_batches
         self.lookahead = slots_per_bucket
         self._cond = threading.Condition()
-        self._free: list[list[torch.Tensor]] = [
-            [layout.allocate(device, pin_memory=pin_memory) for _ in range(slots_per_bucket)] for layout in layouts
-        ]
+        if buffers is None:
+            buffers = [[layout.allocate(device, pin_memory=pin_memory) for _ in range(slots_per_bucket)] for layout in layouts]
+        self._free: list[list[torch.Tensor]] = [list(per_bucket) for per_bucket in buffers]
         self._ready: dict[int, ReadyBatch] = {}
         self._capturing: set[int] = set()
         self.groups: dict[str, GroupState] = {}
@@ -107,12 +112,8 @@ class BatchScheduler:
         )
 
     # ---- dispatch (control thread) ----
-    def take_for(self, group: str, accept: Callable[[int], bool] | None = None) -> ReadyBatch | None:
-        """The next batch for ``group`` if it is captured already; pins it until :meth:`release`.
-
-        ``accept(bucket)`` may decline the batch (the shm transport has no free slot
-        of its bucket): nothing changes and None is returned.
-        """
+    def take_for(self, group: str) -> ReadyBatch | None:
+        """The next batch for ``group`` if it is captured already; pins it until :meth:`release`."""
         with self._cond:
             state = self.groups[group]
             if state.redo:
@@ -124,8 +125,6 @@ class BatchScheduler:
             ready = self._ready.get(index)
             if ready is None:
                 self._cond.notify_all()  # the capture thread may have been idle
-                return None
-            if accept is not None and not accept(ready.bucket):
                 return None
             if state.redo and state.redo[0] == index:
                 state.redo.pop(0)

@@ -6,9 +6,10 @@ Threads:
   metadata, heartbeats, and reaps dead drafters. It never waits on the data
   plane or the model.
 - capture: asks the scheduler which batch some group needs, runs the target
-  forward into a pre-allocated bucket buffer, publishes it.
-- one link thread per registration: forms the pair group and sends buffers
-  (transport "shm": creates the registration's slot ring and copies into it).
+  forward into a pre-allocated bucket buffer (transport "shm": a slot of the
+  shared batch pool, which drafters read in place), publishes it.
+- one link thread per registration (gloo/NCCL): forms the pair group and sends
+  buffers. With shm there is nothing to send: the BATCH names the pool slot.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from target_server.data import build_dataset
 from target_server.link import DrafterLink, LinkEvent
 from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
-from target_server.shm_link import ShmDrafterLink, SlotTable
+from target_server.shm_pool import PoolLink, ShmBatchPool, process_gone
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Registration:
     drafter_id: str
     group: str
     epoch: int
-    link: DrafterLink | ShmDrafterLink
+    link: DrafterLink | PoolLink
     pid: int
     registered_at: float
     last_seen: float
@@ -66,7 +67,7 @@ class Registration:
     checkpoint_step: int = 0
     next_tag: int = 1  # tag 0 carries the weights
     done_sent: bool = False
-    slots: SlotTable | None = None  # transport "shm": ring slots held by unacknowledged batches
+    held: dict[int, ReadyBatch] = field(default_factory=dict)  # transport "shm": pool slots it may read, by batch id
 
 
 class TargetServer:
@@ -81,8 +82,11 @@ class TargetServer:
         self._sock: zmq.Socket | None = None
         self._store = None
         self._regs: dict[bytes, Registration] = {}
-        self._stopped_links: list[DrafterLink | ShmDrafterLink] = []  # joined at close
+        self._stopped_links: list[DrafterLink | PoolLink] = []  # joined at close
         self._shm_weights: ShmRing | None = None
+        self._shm_pool: ShmBatchPool | None = None
+        # transport "shm": pool slots of dropped registrations, handed back at the given time.
+        self._deferred_release: list[tuple[float, list[ReadyBatch]]] = []
         self._offenders: set[bytes] = set()
         self._last_hello: dict[str, float] = {}
         self._events: queue.Queue[LinkEvent] = queue.Queue()
@@ -155,12 +159,15 @@ class TargetServer:
         self.plan = BatchPlan(self.dataset.train_lengths(), self.spec, cfg.data.seed)
         total = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
         self.layouts = [BatchLayout(b, t, self.feature_dim, self.dtype) for b, t in self.spec.shapes()]
+        if self.transport == "shm":
+            self._create_shm_pool()
         self.scheduler = BatchScheduler(
             bucket_of=lambda i: self.plan.batch(i).bucket,
             layouts=self.layouts,
             slots_per_bucket=cfg.target.ready_batches,
             total_batches=total,
             device=self.device,
+            buffers=self._shm_pool.buffers if self._shm_pool is not None else None,
         )
         logger.info(
             "[startup] plan: %d batches per epoch, buckets %s, epochs %s",
@@ -182,9 +189,24 @@ class TargetServer:
         self._started_at = time.monotonic()
         logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
 
+    def _create_shm_pool(self) -> None:
+        """The batch buffers in shared memory: captured into in place, read in place by the drafters."""
+        if self.device.type != "cpu":
+            raise StartupError(
+                f"transport shm needs the target on the CPU (its batch buffers are host shared memory), "
+                f"target.device is {self.cfg.target.device}; use transport.kind = \"nccl\""
+            )
+        sweep_stale()  # segments of targets that died without cleaning up
+        per_bucket = self.cfg.target.ready_batches + self.cfg.transport.shm_slots_per_bucket
+        try:
+            self._shm_pool = ShmBatchPool(segment_name(os.getpid(), "pool"), self.layouts, per_bucket)
+        except TransportError as exc:
+            raise StartupError(str(exc)) from None
+        logger.info("[startup] shm transport: batch pool /dev/shm/%s (%d buckets x %d slots, %.1f MiB)",
+                    self._shm_pool.name, len(self.layouts), per_bucket, self._shm_pool.nbytes / 2**20)
+
     def _publish_shm_weights(self) -> None:
         """One segment of frozen weights for every shm registration of this target (drafters copy it)."""
-        sweep_stale()  # segments of targets that died without cleaning up
         try:
             ring = ShmRing.create(segment_name(os.getpid(), "weights"), [self.weights_layout.nbytes], 1)
         except TransportError as exc:
@@ -216,9 +238,13 @@ class TargetServer:
                 if got is None:
                     continue
                 index, buf = got
+                pool_slot = -1
                 try:
                     planned = self.plan.batch(index)
                     layout = self.layouts[planned.bucket]
+                    if self._shm_pool is not None:
+                        pool_slot = self._shm_pool.slot_of(buf)
+                        self._shm_pool.begin_write(planned.bucket, pool_slot)
                     features, ids, mask, lengths = layout.views(buf)
                     samples = [self.dataset.train[i] for i in planned.sample_ids]
                     input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
@@ -233,12 +259,13 @@ class TargetServer:
                         self.capture.run(ids.long(), features)
                     ready_event = stream.record()
                     elapsed = time.perf_counter() - start
+                    shm_tag = self._shm_pool.publish(planned.bucket, pool_slot) if pool_slot >= 0 else 0
                 except Exception:
                     self.scheduler.abandon(index, buf)
                     raise
                 self.scheduler.publish(
                     ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
-                               ready_event=ready_event)
+                               ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
                 )
                 with self._stats_lock:
                     self._captured_batches += 1
@@ -273,6 +300,7 @@ class TargetServer:
                     break
                 self._receive_one()
             self._drain_link_events()
+            self._release_deferred(time.monotonic())
             self._dispatch()
             now = time.monotonic()
             if now >= next_hb:
@@ -312,11 +340,14 @@ class TargetServer:
             self._complain(identity, reg, P.E_STATE, f"{msg.TYPE} before HELLO: register first")
         elif isinstance(msg, P.Request):
             reg.credits = min(reg.credits + max(0, msg.credits), 64)
+            if isinstance(reg.link, PoolLink):
+                reg.link.paired = True  # a drafter asks for batches only once it has mapped the pool
         elif isinstance(msg, P.Ack):
             for batch_id in msg.batch_ids:
                 reg.inflight.discard(batch_id)
-                if reg.slots is not None:
-                    reg.slots.release(batch_id)
+                held = reg.held.pop(batch_id, None)
+                if held is not None:
+                    self.scheduler.release(held)
             reg.step = msg.step
             reg.checkpoint_step = msg.checkpoint_step
         elif isinstance(msg, P.Heartbeat):
@@ -374,23 +405,11 @@ class TargetServer:
         self._epoch_counter += 1
         epoch = self._epoch_counter
         shm: dict = {}
-        slots = None
-        if self.transport == "shm":
-            # The ring's name is unique per target process and registration epoch.
-            prefix = segment_name(os.getpid(), "ring", hello.drafter_id, epoch)
-            slot_bytes = [layout.nbytes for layout in self.layouts]
-            per_bucket = self.cfg.transport.shm_slots_per_bucket
-            try:
-                link = ShmDrafterLink(
-                    name=f"{hello.drafter_id}-{epoch}", ring_name=prefix, slot_bytes=slot_bytes,
-                    slots_per_bucket=per_bucket, events=self._events,
-                )
-            except (TransportError, OSError) as exc:
-                logger.warning("[hello] drafter %s: cannot create its shm ring: %s", hello.drafter_id, exc)
-                self._send(identity, P.Error(P.E_BUSY, f"target cannot create a shm ring: {exc}"))
-                return
-            slots = SlotTable(len(self.layouts), per_bucket)
-            shm = {"shm_name": prefix, "shm_slot_bytes": slot_bytes, "shm_slots_per_bucket": per_bucket,
+        if self._shm_pool is not None:
+            pool = self._shm_pool
+            prefix = pool.name
+            link = PoolLink(f"{hello.drafter_id}-{epoch}", pool.name)
+            shm = {"shm_name": pool.name, "shm_slot_bytes": pool.slot_bytes, "shm_slots_per_bucket": pool.slots_per_bucket,
                    "shm_weights_name": self._shm_weights.name}
         else:
             prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
@@ -401,8 +420,7 @@ class TargetServer:
                 events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
             )
         now = time.monotonic()
-        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step,
-                           slots=slots)
+        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step)
         self._regs[identity] = reg
         self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
         link.start()
@@ -450,10 +468,25 @@ class TargetServer:
         reg.link.stop()
         self._stopped_links = [l for l in self._stopped_links if l.is_alive()] + [reg.link]
         self.scheduler.leave(reg.group, sorted(reg.inflight))
+        if reg.held:
+            # A live drafter may still be inside a step on these slots: keep them a heartbeat
+            # timeout longer unless its process is gone (it is on this host with shm).
+            grace = 0.0 if process_gone(reg.pid) else self.cfg.control.heartbeat_timeout_s
+            self._deferred_release.append((time.monotonic() + grace, list(reg.held.values())))
+            reg.held.clear()
         logger.info(
             "[drop] drafter %s (epoch %d) %s; %d unacknowledged batches go back to group %s",
             reg.drafter_id, reg.epoch, why, len(reg.inflight), reg.group,
         )
+
+    def _release_deferred(self, now: float) -> None:
+        due = [item for item in self._deferred_release if item[0] <= now]
+        if not due:
+            return
+        self._deferred_release = [item for item in self._deferred_release if item[0] > now]
+        for _, readies in due:
+            for ready in readies:
+                self.scheduler.release(ready)
 
     def _drain_link_events(self) -> None:
         while True:
@@ -475,23 +508,26 @@ class TargetServer:
     def _dispatch(self) -> None:
         for reg in list(self._regs.values()):
             while reg.credits > 0:
-                # shm: never hand out a batch whose bucket has no free slot in this drafter's ring.
-                ready = self.scheduler.take_for(reg.group, reg.slots.has_free if reg.slots is not None else None)
+                ready = self.scheduler.take_for(reg.group)
                 if ready is None:
                     break
-                tag = reg.next_tag
-                reg.next_tag = tag + 1 if tag < (1 << 30) else 1
+                if ready.shm_slot >= 0:
+                    # shm: the drafter reads the pool slot in place; it stays pinned until the ACK.
+                    tag, slot = ready.shm_tag, ready.shm_slot
+                    reg.held[ready.plan_index] = ready
+                    with self._stats_lock:
+                        self._bytes_sent += ready.layout.nbytes  # handed over without a copy
+                else:
+                    tag, slot = reg.next_tag, -1
+                    reg.next_tag = tag + 1 if tag < (1 << 30) else 1
                 layout = ready.layout
-                slot = reg.slots.assign(ready.plan_index, ready.bucket) if reg.slots is not None else -1
                 self._send(reg.identity, P.Batch(
                     batch_id=ready.plan_index, epoch=ready.epoch, bucket=ready.bucket, sample_ids=ready.sample_ids,
                     batch_size=layout.batch_size, seq_len=layout.seq_len, feature_dim=layout.feature_dim,
                     dtype=self.cfg.target.dtype, nbytes=layout.nbytes, tag=tag, num_tokens=ready.num_tokens,
                     slot=slot,
                 ))
-                if reg.slots is not None:
-                    reg.link.enqueue(ready, tag, slot)
-                else:
+                if slot < 0:
                     reg.link.enqueue(ready, tag)
                 reg.credits -= 1
                 reg.inflight.add(ready.plan_index)
@@ -575,6 +611,9 @@ class TargetServer:
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self.threads_left = [t.name for t in threads if t.is_alive()]
+        if self._shm_pool is not None:  # a capture still running keeps its own views of the mapping
+            self._shm_pool.close()
+            self._shm_pool = None
         if self._shm_weights is not None:
             self._shm_weights.unlink()
             self._shm_weights.close()

@@ -36,9 +36,11 @@ def _results(shm: bool) -> dict:
         "gloo_pair_vs_raw": 0.95, "shm_vs_memcpy": None,
     }
     if shm:
-        transport["GBps"].update(shm=10.0, memcpy_pair=12.0)
-        transport.update(shm_vs_memcpy=0.5, shm_vs_memcpy_hot=0.33, shm_vs_memcpy_pair=0.83, memcpy_ring_ms=0.4, shm_breakdown_ms={
-            "producer_write_ms": 0.5, "producer_ack_wait_ms": 0.3, "consumer_wait_ms": 0.3, "consumer_read_ms": 0.5})
+        transport["GBps"].update(shm=10.0, shm_copy=9.0, memcpy_pair=12.0)
+        transport.update(shm_vs_memcpy=0.5, shm_vs_memcpy_hot=0.33, shm_vs_memcpy_pair=0.83, memcpy_ring_ms=0.4,
+                         shm_copy_vs_memcpy=0.45, shm_copy_vs_memcpy_pair=0.75, consume="sum", shm_breakdown_ms={
+            f"{kind}/{key}": 0.5 for kind in ("shm", "shm_copy")
+            for key in ("producer_write_ms", "producer_ack_wait_ms", "consumer_wait_ms", "consumer_read_ms")})
     job = {"drafters": {"d0": {"tokens_per_s": 950.0}}, "total_tokens_per_s": 950.0, "cpu_cores_used": {"target": 0.9}}
     return {
         "pipeline": {
@@ -67,6 +69,9 @@ def test_table_has_a_row_per_measurement_and_says_which_goals_are_met():
     assert set(by_row) == {"1", "2a", "2b", "3", "4", "5", "6"}
     assert by_row["1"][4:] == ("0.95", ">= 0.9", "yes")
     assert by_row["2a"][-1] == "NO" and by_row["2b"][-1] == "yes"
+    assert "read in place" in by_row["2a"][1]
+    assert any("copying ring" in r[1] and r[4] == "0.45" for r in table)
+    assert sum("ms/batch" in r[1] for r in table) == 2  # shm and shm_copy breakdowns
     assert by_row["6"][-1] == "NO"  # 0.98 < 0.99
     scaling = [r for r in table if "scaling" in r[1]]
     assert [r[4] for r in scaling] == ["1.00", "1.87"]

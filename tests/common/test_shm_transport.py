@@ -76,7 +76,6 @@ def test_publish_in_one_process_is_read_in_place_by_another(name):
             import sys
             from common.shm_transport import ShmRing
             ring = ShmRing.attach(sys.argv[1], [1000, 4096], 2, timeout_s=10)
-            ring.mark_attached()
             ring.wait_ready(1, 1, 41, timeout_s=20)
             data = ring.payload(1, 1)
             print(int(data[:4096].sum()), int(data[0]), int(data[4095]))
@@ -87,11 +86,6 @@ def test_publish_in_one_process_is_read_in_place_by_another(name):
             """,
             name, wait=False,
         )
-        deadline = time.monotonic() + 20
-        while ring.attached_pid == 0:
-            assert time.monotonic() < deadline and reader.poll() is None, reader.communicate()
-            time.sleep(0.01)
-        assert ring.attached_pid == reader.pid
         payload = ring.payload(1, 1)
         payload.fill_(1)
         payload[0], payload[4095] = 7, 5

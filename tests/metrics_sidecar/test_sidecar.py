@@ -160,6 +160,7 @@ def threaded_run(tmp_path_factory, wandb_env):
         "thread-run",
         window_s=0.3,
         wandb_mode="offline",
+        close_timeout_s=150.0,  # a loaded machine can take long to start and stop the W&B service
         # A config larger than the 32 KiB log block: the run record spans blocks,
         # so the reader's chunk reassembly is exercised.
         wandb_config={"lr": 2e-4, "notes": "x" * 70_000},
@@ -208,10 +209,10 @@ def threaded_run(tmp_path_factory, wandb_env):
             p.close()
         raw.close()
         sidecar.request_stop()
-        thread.join(30)
+        thread.join(180)
         log.removeHandler(handler)
         log.setLevel(old_level)
-    assert not thread.is_alive(), "sidecar did not stop within 30 s"
+    assert not thread.is_alive(), "sidecar did not stop within 180 s"
     yield {
         "run_dir": run_dir,
         "sidecar": sidecar,
@@ -221,7 +222,7 @@ def threaded_run(tmp_path_factory, wandb_env):
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # the first one also runs the shared fixture
 def test_sidecar_writes_every_valid_record_to_jsonl(threaded_run):
     assert threaded_run["errors"] == []
     records = read_jsonl(threaded_run["run_dir"] / "metrics.jsonl")
@@ -238,7 +239,7 @@ def test_sidecar_writes_every_valid_record_to_jsonl(threaded_run):
     }
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # the first one also runs the shared fixture
 def test_sidecar_counts_malformed_frames_and_keeps_running(threaded_run):
     sidecar = threaded_run["sidecar"]
     assert threaded_run["errors"] == []
@@ -249,13 +250,13 @@ def test_sidecar_counts_malformed_frames_and_keeps_running(threaded_run):
     assert any("producers dropped records" in line and "eval=7" in line for line in threaded_run["lines"])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # the first one also runs the shared fixture
 def test_wandb_offline_run_has_one_row_per_window(threaded_run):
     run_dir = threaded_run["run_dir"]
     sidecar = threaded_run["sidecar"]
     rows = read_wandb_offline_history(run_dir)
     assert sidecar.windows_logged >= 3  # phase 1, phase 2, malformed frames
-    assert len(rows) == sidecar.windows_logged
+    assert len(rows) == sidecar.windows_logged, "\n".join(threaded_run["lines"][-20:])
     assert [r["sidecar/window"] for r in rows] == list(range(1, len(rows) + 1))
     last_d0 = [r for r in rows if "drafter/d0/loss" in r][-1]
     last_d1 = [r for r in rows if "drafter/d1/loss" in r][-1]

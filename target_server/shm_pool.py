@@ -1,0 +1,108 @@
+"""The target's batch buffers in shared memory (transport "shm"): zero copies between capture and training.
+
+With the shm transport the scheduler's per-bucket buffers *are* the slots of
+one :class:`common.shm_transport.ShmRing` segment per target process. The
+capture hooks write a batch straight into a slot, the target publishes the
+slot's tag, and every drafter that is sent the batch (one per group: a batch is
+captured once for all groups) reads that same slot in place. Nothing is copied
+by the transport.
+
+A slot stays pinned in the scheduler from dispatch until the drafter ACKs the
+batch (one pin per drafter it was sent to), so it is never recaptured while it
+is read. When a registration is dropped its pins are handed back: at once when
+its process is gone, else after a grace period (a drafter dropped while alive,
+e.g. for a missed heartbeat, may still be inside a step on the slot).
+
+Slot tags work as a sequence lock: the capture thread zeroes a slot's tag
+before writing into it and publishes a fresh, never reused tag after. A reader
+that sees the tag of its BATCH before and after reading read a whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from common.packing import BatchLayout
+from common.shm_transport import ShmRing
+
+logger = logging.getLogger(__name__)
+
+
+class ShmBatchPool:
+    """``slots_per_bucket`` shared batch buffers per bucket; owned by the target (creator of the segment)."""
+
+    def __init__(self, name: str, layouts: list[BatchLayout], slots_per_bucket: int):
+        # Reserved now: a /dev/shm too small is a clear error at start-up (TransportError).
+        self.ring = ShmRing.create(name, [layout.nbytes for layout in layouts], slots_per_bucket, reserve=True)
+        self.name = name
+        self.slot_bytes = list(self.ring.slot_bytes)
+        self.slots_per_bucket = slots_per_bucket
+        self.buffers = [[self.ring.payload(b, i) for i in range(slots_per_bucket)] for b in range(len(layouts))]
+        self._slot_of = {buf.data_ptr(): i for per_bucket in self.buffers for i, buf in enumerate(per_bucket)}
+        self._next_tag = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes
+
+    def slot_of(self, buffer: torch.Tensor) -> int:
+        return self._slot_of[buffer.data_ptr()]
+
+    def begin_write(self, bucket: int, slot: int) -> None:
+        """The capture thread is about to overwrite the slot: a reader still on it sees its tag change."""
+        self.ring.publish(bucket, slot, 0)
+
+    def publish(self, bucket: int, slot: int) -> int:
+        """The slot holds a whole new batch: give it a fresh tag (returned; BATCH.tag for every drafter)."""
+        tag = self._next_tag
+        self._next_tag += 1
+        self.ring.publish(bucket, slot, tag)
+        return tag
+
+    def close(self) -> None:
+        """Remove the segment's name and drop the target's mapping (drafters' mappings stay valid)."""
+        self.ring.unlink()
+        self.buffers = []
+        self.ring.close()
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists here (a drafter on this host that was killed)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class PoolLink:
+    """A registration's data plane under transport "shm": nothing to move, so no thread.
+
+    Same interface as the pair-group link where the server uses it (start, stop,
+    paired, prefix, is_alive, join). ``paired`` turns true at the drafter's first
+    REQUEST, which it sends only after it has mapped the pool.
+    """
+
+    def __init__(self, name: str, pool_name: str):
+        self.name = name
+        self.prefix = pool_name
+        self.paired = False
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
