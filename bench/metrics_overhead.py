@@ -6,6 +6,11 @@ summary, a non-blocking push to a sidecar address) and with metrics off, on
 the same model and batches, and prints the throughput ratio (goal >= 0.99)
 and the host syncs per step counted by the sync guard (goal 0).
 
+Each round times one burst of each, in alternating order (off/on, then
+on/off), and the ratio is the median over rounds of the two bursts' ratio:
+drift of the machine's speed cancels within a round, and one disturbed round
+cannot move the median.
+
     python bench/metrics_overhead.py [--steps 40] [--rounds 4] [--device cpu]
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,8 +81,8 @@ def _step(trainer, batch, weights, log_every, pusher, pending):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="steps per burst")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds of one burst each, median of their ratios")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
@@ -100,15 +106,20 @@ def main(argv=None) -> int:
     burst(on, batch, weights, 3, log_every, pusher)  # warm-up both
     burst(off, batch, weights, 3, log_every, pusher)
     t_on = t_off = 0.0
-    for _ in range(args.rounds):  # alternate so machine noise hits both alike
-        t_off += burst(off, batch, weights, args.steps, log_every, pusher)[0]
-        t_on += burst(on, batch, weights, args.steps, log_every, pusher)[0]
+    ratios = []
+    for round_index in range(args.rounds):
+        pair = {}
+        for trainer in ((off, on) if round_index % 2 == 0 else (on, off)):
+            pair[trainer is on] = burst(trainer, batch, weights, args.steps, log_every, pusher)[0]
+        t_on, t_off = t_on + pair[True], t_off + pair[False]
+        ratios.append(pair[False] / pair[True])
     _, syncs = burst(on, batch, weights, 2 * log_every + 1, log_every, pusher, guard_device=device)
     pusher.close()
     result = {
         "device": str(device),
         "steps_per_run": args.steps * args.rounds,
-        "throughput_ratio_metrics_on_vs_off": t_off / t_on,
+        "throughput_ratio_metrics_on_vs_off": statistics.median(ratios),
+        "round_ratios": ratios,
         "host_syncs_per_step": syncs / (2 * log_every + 1),
         "step_ms_metrics_on": 1000 * t_on / (args.steps * args.rounds),
         "step_ms_metrics_off": 1000 * t_off / (args.steps * args.rounds),

@@ -60,7 +60,7 @@ def commands(quick: bool) -> dict[str, tuple[list[str], float, int | None]]:
         "capture": ([str(BENCH / "capture_bench.py")], 400, 1),
         "pipeline": ([str(BENCH / "pipeline_bench.py")], 900, 1),
         "fused_loss": ([str(BENCH / "fused_loss_bench.py"), "--threads", "1", "--repeats", "2"], 600, 1),
-        "metrics": ([str(BENCH / "metrics_overhead.py"), "--steps", "20", "--rounds", "4"], 600, 1),
+        "metrics": ([str(BENCH / "metrics_overhead.py"), "--steps", "10", "--rounds", "12"], 600, 1),
     }
 
 

@@ -107,7 +107,7 @@ def test_wait_ready_times_out_with_a_transport_error(name):
         start = time.monotonic()
         with pytest.raises(TransportError, match="did not get tag 4 within"):
             ring.wait_ready(0, 0, 4, timeout_s=0.2)
-        assert 0.15 < time.monotonic() - start < 2.0
+        assert 0.15 < time.monotonic() - start < 10.0
         ring.wait_ready(0, 0, 3, timeout_s=0.0)  # already there: no wait at all
     finally:
         ring.unlink()
