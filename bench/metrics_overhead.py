@@ -79,6 +79,32 @@ def _step(trainer, batch, weights, log_every, pusher, pending):
     return pending
 
 
+def metrics_path_ms(trainer, device: torch.device, log_every: int, pusher: MetricsPusher, steps: int = 500) -> float:
+    """Milliseconds per step of what metrics add to a step, alone: the accumulator adds
+    (``DrafterTrainer.record_step``), a snapshot every ``log_every`` steps, the deferred
+    poll, ``summarize`` and the push; on values shaped like a real step's."""
+    block = trainer.model.block_size
+    loss = torch.tensor(2.5, device=device)
+    correct = torch.ones(block, device=device)
+    count = torch.full((block,), 4.0, device=device)
+    tokens = torch.tensor(1024.0, device=device)
+    norm = torch.tensor(0.7, device=device)
+    pending = False
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        trainer.record_step(loss, correct, count, tokens, norm)
+        if step % log_every == 0 and trainer.metrics.snapshot():
+            pending = True
+        if pending:
+            values = trainer.metrics.poll()
+            if values is not None:
+                pending = False
+                pusher.send(summarize(values), step=step)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start) / steps
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="steps per burst")
@@ -114,6 +140,7 @@ def main(argv=None) -> int:
         t_on, t_off = t_on + pair[True], t_off + pair[False]
         ratios.append(pair[False] / pair[True])
     _, syncs = burst(on, batch, weights, 2 * log_every + 1, log_every, pusher, guard_device=device)
+    metrics_ms = metrics_path_ms(on, device, log_every, pusher)
     pusher.close()
     result = {
         "device": str(device),
@@ -123,10 +150,16 @@ def main(argv=None) -> int:
         "host_syncs_per_step": syncs / (2 * log_every + 1),
         "step_ms_metrics_on": 1000 * t_on / (args.steps * args.rounds),
         "step_ms_metrics_off": 1000 * t_off / (args.steps * args.rounds),
+        # The metrics' own work per step, timed alone (no training around it): far below the
+        # burst-to-burst noise of the ratio above, it bounds what metrics can cost.
+        "metrics_path_ms_per_step": metrics_ms,
+        "isolated_ratio": (1000 * t_off / (args.steps * args.rounds))
+        / (1000 * t_off / (args.steps * args.rounds) + metrics_ms),
     }
     print(f"metrics on / off throughput ratio: {result['throughput_ratio_metrics_on_vs_off']:.3f} (goal >= 0.99)")
     print(f"host syncs per step in the hot path: {result['host_syncs_per_step']:.0f} (goal 0)")
     print(f"step time: {result['step_ms_metrics_on']:.1f} ms with metrics, {result['step_ms_metrics_off']:.1f} ms without")
+    print(f"the metrics path alone: {metrics_ms:.3f} ms per step (step / (step + that) = {result['isolated_ratio']:.4f})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

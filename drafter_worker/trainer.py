@@ -100,18 +100,21 @@ class DrafterTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        if not self.collect_metrics:
-            return lr
-        m = self.metrics
-        m.add("loss_sum", out.loss.detach())
-        m.add("steps", 1.0)
-        m.add("correct", out.correct_per_pos)
-        m.add("count", out.count_per_pos)
-        m.add("grad_norm_sum", norm)
-        m.maximum("grad_norm_max", norm)
-        m.add("clipped", (norm > self.cfg.grad_clip).float())
-        m.add("label_tokens", out.num_tokens)
+        if self.collect_metrics:
+            self.record_step(out.loss.detach(), out.correct_per_pos, out.count_per_pos, out.num_tokens, norm)
         return lr
+
+    def record_step(self, loss, correct_per_pos, count_per_pos, num_tokens, grad_norm) -> None:
+        """Add one step's device values to the accumulators (device ops only, no host read)."""
+        m = self.metrics
+        m.add("loss_sum", loss)
+        m.add("steps", 1.0)
+        m.add("correct", correct_per_pos)
+        m.add("count", count_per_pos)
+        m.add("grad_norm_sum", grad_norm)
+        m.maximum("grad_norm_max", grad_norm)
+        m.add("clipped", (grad_norm > self.cfg.grad_clip).float())
+        m.add("label_tokens", num_tokens)
 
 
     def warm_up(self, shapes: list[tuple[int, int]], feature_dim: int, embed_weight, lm_head_weight) -> None:
