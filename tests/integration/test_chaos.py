@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.shm_transport import SHM_DIR, sweep_stale
 from drafter_worker.checkpoint import read_lineage
 from tests.integration.harness import Job, write_config
 
@@ -40,7 +41,10 @@ def _check_exactly_once(run_dir: Path, drafter: str) -> tuple[int, int]:
     return final["step"], len(samples)
 
 
-def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama_dir, transport):
+    if transport == "shm" and not SHM_DIR.is_dir():
+        pytest.skip("needs /dev/shm")
     rng = random.Random(1234)
     config = write_config(
         tmp_path, str(tiny_llama_dir), drafters={"d0": {}, "d1": {"seed": 1}},
@@ -53,50 +57,54 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
             .replace("max_samples = 80", "max_samples = 0\nnum_epochs = 1")
             .replace("max_seq_len = 64", "max_seq_len = 256")
             .replace("bucket_lengths = [32, 64]", "bucket_lengths = [128, 256]")
-            .replace("checkpoint_every_steps = 4", "checkpoint_every_steps = 3"))
+            .replace("checkpoint_every_steps = 4", "checkpoint_every_steps = 3")
+            .replace('kind = "gloo"', f'kind = "{transport}"'))
     config.write_text(text)
     run_dir = tmp_path / "runs" / "it"
-    with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
-        job.start("d1", "drafter_worker", "--id", "d1")
-
-        faults = []
-        for round_ in range(2):
-            floor = _latest_step(job, "drafter/d1") + 6
-            job.wait_for(lambda: _latest_step(job, "drafter/d1") >= floor, 120, f"d1 to reach step {floor}")
-            time.sleep(rng.uniform(0.0, 0.8))
-            job.procs.pop("d1").kill()
-            faults.append(f"kill -9 d1 (round {round_})")
-            # The survivor keeps training while d1 is down.
-            before = _latest_step(job, "drafter/d0")
-            job.wait_for(lambda: _latest_step(job, "drafter/d0") > before, 30, "d0 to keep training while d1 is down")
+    try:
+        with Job(config, run_dir) as job:
+            job.start("metrics", "metrics_sidecar")
+            job.start("target", "target_server")
+            job.start("d0", "drafter_worker", "--id", "d0")
             job.start("d1", "drafter_worker", "--id", "d1")
 
-        job.procs.pop("metrics").kill()
-        faults.append("kill -9 sidecar")
-        time.sleep(1.0)
-        job.start("metrics", "metrics_sidecar")
+            faults = []
+            for round_ in range(2):
+                floor = _latest_step(job, "drafter/d1") + 6
+                job.wait_for(lambda: _latest_step(job, "drafter/d1") >= floor, 120, f"d1 to reach step {floor}")
+                time.sleep(rng.uniform(0.0, 0.8))
+                job.procs.pop("d1").kill()
+                faults.append(f"kill -9 d1 (round {round_})")
+                # The survivor keeps training while d1 is down.
+                before = _latest_step(job, "drafter/d0")
+                job.wait_for(lambda: _latest_step(job, "drafter/d0") > before, 30, "d0 to keep training while d1 is down")
+                job.start("d1", "drafter_worker", "--id", "d1")
 
-        # The new sidecar appends to the same metrics.jsonl: wait for it to log
-        # a drafter record (from whichever drafter is still training).
-        seen = len(job.metrics())
-        job.wait_for(lambda: any(r["source"].startswith("drafter/") for r in job.metrics()[seen:]), 60,
-                     "a drafter's metrics to reach the restarted sidecar")
-        assert any(p.poll() is None for n, p in job.procs.items() if n in ("d0", "d1")), \
-            "both drafters finished before the target could be killed: the epoch is too short for this test"
-        job.procs.pop("target").kill()
-        faults.append("kill -9 target")
-        time.sleep(2.0)
-        job.start("target", "target_server")
+            job.procs.pop("metrics").kill()
+            faults.append("kill -9 sidecar")
+            time.sleep(1.0)
+            job.start("metrics", "metrics_sidecar")
 
-        # Both drafters finish the epoch (DONE) and exit 0 on their own.
-        for name in ("d0", "d1"):
-            code = job.procs[name].wait(240)
-            assert code == 0, job.all_consoles()
-        assert job.terminate("target", 40) == 0
-        assert job.terminate("metrics", 40) == 0
+            # The new sidecar appends to the same metrics.jsonl: wait for it to log
+            # a drafter record (from whichever drafter is still training).
+            seen = len(job.metrics())
+            job.wait_for(lambda: any(r["source"].startswith("drafter/") for r in job.metrics()[seen:]), 60,
+                         "a drafter's metrics to reach the restarted sidecar")
+            assert any(p.poll() is None for n, p in job.procs.items() if n in ("d0", "d1")), \
+                "both drafters finished before the target could be killed: the epoch is too short for this test"
+            job.procs.pop("target").kill()
+            faults.append("kill -9 target")
+            time.sleep(2.0)
+            job.start("target", "target_server")
+
+            # Both drafters finish the epoch (DONE) and exit 0 on their own.
+            for name in ("d0", "d1"):
+                code = job.procs[name].wait(240)
+                assert code == 0, job.all_consoles()
+            assert job.terminate("target", 40) == 0
+            assert job.terminate("metrics", 40) == 0
+    finally:
+        sweep_stale()  # shm: the segments of the target killed above
 
     steps0, samples0 = _check_exactly_once(run_dir, "d0")
     steps1, samples1 = _check_exactly_once(run_dir, "d1")
@@ -104,3 +112,5 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
     log = (run_dir / "logs" / "drafter-d1.log").read_text()
     assert log.count("[resume]") >= 2, "d1 should have resumed from a checkpoint after each kill"
     assert "target" in (run_dir / "logs" / "drafter-d0.log").read_text()
+    for drafter in ("d0", "d1"):
+        assert "torn batch" not in (run_dir / "logs" / f"drafter-{drafter}.log").read_text()
