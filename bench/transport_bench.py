@@ -31,7 +31,13 @@ float32, about 8.9 MB. Methods, all moving the same bytes:
 - ``gloo_raw``: ``torch.distributed.send``/``recv`` of a group made with
   ``init_process_group("gloo")`` (the baseline of ``gloo_pair``);
 - ``gloo_pair``: ``common.transport.PairGroup`` send/recv, as the target and
-  drafter use it.
+  drafter use it;
+- ``gloo_alt``: the two gloo paths alternating transfer by transfer, so both
+  meet the same machine state; their ratio (row 2b) is the median time of a
+  raw transfer over the median time of a pair transfer in a round (each
+  transfer timed where it lands, from the previous landing), median over rounds. Loopback gloo on two
+  shared cores swings by tens of percent between blocks of transfers, which
+  blocks of one method after the other would read as a difference.
 
 A round runs every method for ``--iters`` transfers; the rate of a method in
 a round is (iters - 1) transfers over the time from the first to the last
@@ -64,7 +70,7 @@ from common.packing import BatchLayout  # noqa: E402
 from common.transport import DRAFTER_RANK, TARGET_RANK, PairGroup, connect_store, host_store  # noqa: E402
 
 TIMEOUT_S = 60.0
-METHODS = ("memcpy", "memcpy_ring", "memcpy_pair", "shm", "shm_copy", "gloo_raw", "gloo_pair")
+METHODS = ("memcpy", "memcpy_ring", "memcpy_pair", "shm", "shm_copy", "gloo_raw", "gloo_pair", "gloo_alt")
 
 
 def _load_shm(module_name: str) -> tuple[Any, str]:
@@ -134,8 +140,10 @@ def consumer(conn, ports: list[int], nbytes: int, shm_name: str, slots: int, shm
                     dst.copy_(buf)  # its own copy, at the same time as the producer's, no data between them
                 elif kind == "gloo_raw":
                     dist.recv(buf, src=TARGET_RANK, tag=tag)
-                elif kind == "gloo_pair":
+                elif kind == "gloo_pair" or (kind == "gloo_alt" and i % 2):
                     pair.recv(buf, tag)
+                elif kind == "gloo_alt":
+                    dist.recv(buf, src=TARGET_RANK, tag=tag)
                 elif kind in ("shm", "shm_copy"):
                     slot = i % slots
                     t0 = time.perf_counter()
@@ -195,8 +203,10 @@ class Producer:
                 own.append(time.perf_counter())
             elif kind == "gloo_raw":
                 dist.send(self.src, dst=DRAFTER_RANK, tag=first_tag + i)
-            elif kind == "gloo_pair":
+            elif kind == "gloo_pair" or (kind == "gloo_alt" and i % 2):
                 self.pair.send(self.src, first_tag + i)
+            elif kind == "gloo_alt":
+                dist.send(self.src, dst=DRAFTER_RANK, tag=first_tag + i)
             elif kind in ("shm", "shm_copy"):
                 slot = i % self.slots
                 t0 = time.perf_counter()
@@ -215,6 +225,11 @@ class Producer:
         _, times, breakdown = self._expect("done")
         if kind == "memcpy_pair":  # the slower of the two sides bounds a pipeline of the two
             return min(_rate(times, self.nbytes), _rate(own, self.nbytes))
+        if kind == "gloo_alt":  # not a rate: raw time / pair time over the round (pair rate / raw rate)
+            spans = [b - a for a, b in zip(times, times[1:])]  # spans[j] ends at transfer j + 1
+            raw = [s for j, s in enumerate(spans) if (j + 1) % 2 == 0]
+            pair = [s for j, s in enumerate(spans) if (j + 1) % 2 == 1]
+            return median(raw) / median(pair)  # medians: one descheduled transfer does not decide it
         if kind in ("shm", "shm_copy"):
             breakdown.update(producer_ack_wait_ms=1e3 * ack_s / iters, producer_write_ms=1e3 * copy_s / iters)
             for key, value in breakdown.items():
@@ -293,12 +308,15 @@ def main(argv: list[str] | None = None) -> dict:
         """Median over rounds of a/b: the two were measured next to each other in each round."""
         return median(x / y for x, y in zip(rates[a], rates[b]))
 
+    alt = rates.pop("gloo_alt", [])
     gbps = {m: median(r) / 1e9 for m, r in rates.items()}
     result: dict[str, Any] = {
         "nbytes": nbytes, "tokens": args.tokens, "feature_dim": args.feature_dim, "dtype": args.dtype,
         "slots": args.slots, "consume": args.consume, "rounds": args.rounds, "iters": args.iters,
         "GBps": gbps, "rounds_GBps": {m: [x / 1e9 for x in r] for m, r in rates.items()},
-        "gloo_pair_vs_raw": ratio("gloo_pair", "gloo_raw"),
+        "gloo_pair_vs_raw": median(alt),
+        "gloo_pair_vs_raw_rounds": alt,
+        "gloo_pair_vs_raw_blocks": ratio("gloo_pair", "gloo_raw"),
     }
     if ring_cls is None:
         result["shm_vs_memcpy"] = None
