@@ -1,4 +1,4 @@
-"""The torch parts of ``bench/gpu_check.sh``: sync guard and throughput on one device.
+"""The torch parts of ``bench/gpu_check.sh``: sync guard, stream overlap and throughput on one device.
 
     python bench/gpu_check.py --device cuda [--sections sync,overlap,throughput] [--out DIR]
     python bench/gpu_check.py --device cpu      # the same code on tiny sizes (validates the script)
