@@ -34,7 +34,7 @@ class LinkEvent:
 
 
 class LinkThread(threading.Thread):
-    """What every link kind shares: an ordered outbox of batches, result events, a stop flag."""
+    """A link thread's plumbing: an ordered outbox of batches, result events, a stop flag."""
 
     def __init__(self, *, name: str, prefix: str, events: "queue.Queue[LinkEvent]"):
         super().__init__(name=f"link-{name}", daemon=True)
