@@ -31,6 +31,8 @@ class LinkEvent:
     error: str = ""
     nbytes: int = 0
     seconds: float = 0.0
+    # CUDA: recorded on the send stream after the send; a capture into the same buffer waits on it.
+    done_event: object = None
 
 
 class LinkThread(threading.Thread):
@@ -133,9 +135,10 @@ class DrafterLink(LinkThread):
                 except TransportError:
                     self._events.put(LinkEvent(self, "failed", ready, "send failed"))
                     raise
-                self._events.put(
-                    LinkEvent(self, "sent", ready, nbytes=ready.layout.nbytes, seconds=time.perf_counter() - start)
-                )
+                # Device-side end of the send: whether or not NCCL's wait blocked this thread,
+                # a capture into this buffer orders itself after this event.
+                self._events.put(LinkEvent(self, "sent", ready, nbytes=ready.layout.nbytes,
+                                           seconds=time.perf_counter() - start, done_event=stream.record()))
         except TransportError as exc:
             if not self._stopped.is_set():
                 self._events.put(LinkEvent(self, "failed", error=str(exc)))

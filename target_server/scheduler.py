@@ -40,6 +40,8 @@ class ReadyBatch:
     # transport "shm": the pool slot that is this batch's buffer, and the tag it was published with.
     shm_slot: int = -1
     shm_tag: int = 0
+    # CUDA: one event per finished send of this buffer; the next capture into it waits on them.
+    reader_events: list = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class BatchScheduler:
             buffers = [[layout.allocate(device, pin_memory=pin_memory) for _ in range(slots_per_bucket)] for layout in layouts]
         self._free: list[list[torch.Tensor]] = [list(per_bucket) for per_bucket in buffers]
         self._ready: dict[int, ReadyBatch] = {}
+        self._reader_events: dict[int, list] = {}  # buffer data_ptr -> events of its last batch's sends
         self._capturing: set[int] = set()
         self.groups: dict[str, GroupState] = {}
         self.blocked_s = 0.0  # capture thread time spent with nothing it may compute
@@ -166,6 +169,8 @@ class BatchScheduler:
             return None
         victim = victims[0]
         del self._ready[victim.plan_index]
+        if victim.reader_events:
+            self._reader_events[victim.buffer.data_ptr()] = victim.reader_events
         return victim.buffer
 
     def next_to_capture(self, timeout_s: float) -> tuple[int, torch.Tensor] | None:
@@ -186,6 +191,11 @@ class BatchScheduler:
                 self._cond.wait(remaining)
                 self.blocked_s += time.monotonic() - start
             return None
+
+    def reader_events(self, buffer: torch.Tensor) -> list:
+        """Events of the sends that read ``buffer`` before the capture thread got it (CUDA; else empty)."""
+        with self._cond:
+            return self._reader_events.pop(buffer.data_ptr(), [])
 
     def publish(self, ready: ReadyBatch) -> None:
         with self._cond:

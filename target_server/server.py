@@ -238,6 +238,8 @@ class TargetServer:
                 if got is None:
                     continue
                 index, buf = got
+                for event in self.scheduler.reader_events(buf):
+                    stream.wait(event)  # device-side: the previous batch's sends have read buf
                 pool_slot = -1
                 try:
                     planned = self.plan.batch(index)
@@ -495,6 +497,8 @@ class TargetServer:
             except queue.Empty:
                 return
             if event.ready is not None:
+                if event.done_event is not None:
+                    event.ready.reader_events.append(event.done_event)  # before the release makes it reusable
                 self.scheduler.release(event.ready)
             if event.kind == "sent":
                 with self._stats_lock:

@@ -355,3 +355,18 @@ def test_depths_counts_ready_batches_per_bucket():
     depth, per_bucket = sched.depths()
     assert depth == sum(per_bucket) == 2  # lookahead = slots_per_bucket = 2: indices 0 and 1
     assert per_bucket == [1, 1]
+
+
+def test_a_reused_buffer_comes_with_the_events_of_the_sends_that_read_it():
+    # On CUDA a send's completion is an event; the capture into the same buffer waits on it.
+    sched = make_scheduler(slots=1)
+    cap = Capturer(sched)
+    sched.join("g", 0, [])
+    cap.once()
+    ready = sched.take_for("g")
+    ready.reader_events += ["send-1", "send-2"]  # stand-ins: the scheduler only hands them on
+    sched.release(ready)
+    index, buf = sched.next_to_capture(timeout_s=QUICK_S)
+    assert index == 1 and buf.data_ptr() == cap.buffers[0]
+    assert sched.reader_events(buf) == ["send-1", "send-2"]
+    assert sched.reader_events(buf) == []  # handed over once
