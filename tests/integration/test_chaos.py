@@ -68,20 +68,17 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
             job.start("d0", "drafter_worker", "--id", "d0")
             job.start("d1", "drafter_worker", "--id", "d1")
 
-            faults = []
-            for round_ in range(2):
+            for _ in range(2):
                 floor = _latest_step(job, "drafter/d1") + 6
                 job.wait_for(lambda: _latest_step(job, "drafter/d1") >= floor, 120, f"d1 to reach step {floor}")
                 time.sleep(rng.uniform(0.0, 0.8))
                 job.procs.pop("d1").kill()
-                faults.append(f"kill -9 d1 (round {round_})")
                 # The survivor keeps training while d1 is down.
                 before = _latest_step(job, "drafter/d0")
                 job.wait_for(lambda: _latest_step(job, "drafter/d0") > before, 30, "d0 to keep training while d1 is down")
                 job.start("d1", "drafter_worker", "--id", "d1")
 
             job.procs.pop("metrics").kill()
-            faults.append("kill -9 sidecar")
             time.sleep(1.0)
             job.start("metrics", "metrics_sidecar")
 
@@ -93,7 +90,6 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
             assert any(p.poll() is None for n, p in job.procs.items() if n in ("d0", "d1")), \
                 "both drafters finished before the target could be killed: the epoch is too short for this test"
             job.procs.pop("target").kill()
-            faults.append("kill -9 target")
             time.sleep(2.0)
             job.start("target", "target_server")
 
