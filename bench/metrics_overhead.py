@@ -142,19 +142,20 @@ def main(argv=None) -> int:
     _, syncs = burst(on, batch, weights, 2 * log_every + 1, log_every, pusher, guard_device=device)
     metrics_ms = metrics_path_ms(on, device, log_every, pusher)
     pusher.close()
+    steps = args.steps * args.rounds
+    step_ms_on, step_ms_off = 1000 * t_on / steps, 1000 * t_off / steps
     result = {
         "device": str(device),
-        "steps_per_run": args.steps * args.rounds,
+        "steps_per_run": steps,
         "throughput_ratio_metrics_on_vs_off": statistics.median(ratios),
         "round_ratios": ratios,
         "host_syncs_per_step": syncs / (2 * log_every + 1),
-        "step_ms_metrics_on": 1000 * t_on / (args.steps * args.rounds),
-        "step_ms_metrics_off": 1000 * t_off / (args.steps * args.rounds),
+        "step_ms_metrics_on": step_ms_on,
+        "step_ms_metrics_off": step_ms_off,
         # The metrics' own work per step, timed alone (no training around it): far below the
         # burst-to-burst noise of the ratio above, it bounds what metrics can cost.
         "metrics_path_ms_per_step": metrics_ms,
-        "isolated_ratio": (1000 * t_off / (args.steps * args.rounds))
-        / (1000 * t_off / (args.steps * args.rounds) + metrics_ms),
+        "isolated_ratio": step_ms_off / (step_ms_off + metrics_ms),
     }
     print(f"metrics on / off throughput ratio: {result['throughput_ratio_metrics_on_vs_off']:.3f} (goal >= 0.99)")
     print(f"host syncs per step in the hot path: {result['host_syncs_per_step']:.0f} (goal 0)")
