@@ -5,11 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast clean bench-metrics soak install-systemd tmux restart-drafter stop status logs report eval
+.PHONY: venv demo quality test test-fast clean bench-metrics soak install-systemd tmux restart-drafter stop status logs report eval
 
 # Operations targets (README "Operations"): which job config, and for `report` which run.
 CONFIG ?= configs/demo.toml
 RUN ?= runs/demo
+QUALITY_CONFIG ?= configs/quality.toml
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,10 @@ venv: $(STAMP)
 ## make demo: target server + two drafters + metrics sidecar on CPU with SmolLM2-135M
 demo: $(STAMP)
 	$(PY) deploy/demo.py --config configs/demo.toml
+
+## make quality: the quality recipe (configs/quality.toml): one drafter for SmolLM2, tau and speed-up measured; under an hour on 2 cores
+quality: $(STAMP)
+	$(PY) deploy/quality.py --config $(QUALITY_CONFIG)
 
 ## make test: the whole test suite (what CI runs)
 test: $(STAMP)

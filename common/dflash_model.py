@@ -64,6 +64,7 @@ __all__ = [
     "build_target_layer_ids",
     "dflash_block_loss",
     "expected_acceptance_length",
+    "init_logit_scale",
     "lm_head_loss",
     "load_drafter",
     "make_drafter_config",
@@ -131,6 +132,7 @@ def make_drafter_config(
     block_size: int,
     mask_token_id: int,
     initializer_range: float = 0.02,
+    draft_vocab_size: int = 0,
 ) -> Qwen3Config:
     """A ``Qwen3Config`` laid out like published DFlash draft checkpoints."""
     positive = {
@@ -164,6 +166,8 @@ def make_drafter_config(
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(f"target_layer_ids {bad} out of range for a {num_target_layers}-layer target")
+    if not _is_int(draft_vocab_size) or not 0 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be an int in [0, vocab_size={vocab_size}], got {draft_vocab_size!r}")
     if float(rope_theta) <= 0 or float(rms_norm_eps) <= 0:
         raise ValueError(f"rope_theta and rms_norm_eps must be positive, got {rope_theta}, {rms_norm_eps}")
 
@@ -204,6 +208,8 @@ def make_drafter_config(
         "mask_token_id": mask_token_id,
         "target_layer_ids": layer_ids,
     }
+    if draft_vocab_size:
+        config.dflash_config["draft_vocab_size"] = draft_vocab_size
     # The reference attention would default sliding layers to causal; DFlash
     # blocks are bidirectional, so say so explicitly.
     config.is_causal = False
@@ -420,6 +426,13 @@ class DFlashDrafter(nn.Module):
         self.block_size: int = int(_draft_value(config, "block_size", 16))
         self.mask_token_id: int = int(_draft_value(config, "mask_token_id"))
         hidden = config.hidden_size
+        # Optional draft vocabulary (as EAGLE-3's d2t): the drafter scores only these target
+        # token ids, the ones its data uses most. The LM head's cost per drafted token is the
+        # largest part of a CPU training step, so a K-token vocabulary makes steps ~V/K cheaper
+        # in the head; a token outside it is never drafted (its slot counts as a miss).
+        self.draft_vocab_size: int = int(_draft_value(config, "draft_vocab_size", 0) or 0)
+        if self.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(self.draft_vocab_size, dtype=torch.long))
 
         self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
@@ -427,6 +440,47 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, _rope_theta(config))
         self.reset_parameters()
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Set the target ids the drafter scores (``draft_vocab_size`` distinct ids in range)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        vocab = int(self.config.vocab_size)
+        if ids.numel() != self.draft_vocab_size:
+            raise ValueError(f"a draft vocabulary of {self.draft_vocab_size} ids was configured, got {ids.numel()}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel()):
+            raise ValueError(f"draft vocabulary ids must be distinct and in [0, {vocab})")
+        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
+
+    def head_and_labels(
+        self, lm_head_weight: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The LM head rows the drafter scores, and ``labels`` mapped into them.
+
+        Without a draft vocabulary: the head and labels unchanged (``in_vocab`` None).
+        With one: ``head[draft_vocab]``, labels as draft indices (0 where the token
+        is outside the vocabulary) and a bool ``in_vocab`` mask. No host syncs.
+        """
+        if not self.draft_vocab_size:
+            return lm_head_weight, labels, None
+        head = lm_head_weight.index_select(0, self.draft_vocab.to(lm_head_weight.device))
+        if labels is None:
+            return head, None, None
+        to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=labels.device)
+        to_draft[self.draft_vocab.to(labels.device)] = torch.arange(self.draft_vocab_size, device=labels.device)
+        mapped = to_draft[labels]
+        in_vocab = mapped >= 0
+        return head, mapped.clamp(min=0), in_vocab
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's whole vocabulary (``-inf`` outside a draft vocabulary)."""
+        head, _, _ = self.head_and_labels(lm_head_weight)
+        logits = F.linear(hidden.to(device=head.device, dtype=head.dtype), head)
+        if not self.draft_vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
+        full[..., self.draft_vocab.to(full.device)] = logits
+        return full
 
     @property
     def feature_size(self) -> int:
@@ -489,6 +543,50 @@ class DFlashDrafter(nn.Module):
         for layer_idx, layer in enumerate(self.layers):
             x = layer(x, context, cos, sin, attention_mask, context_cache, layer_idx)
         return self.norm(x)
+
+
+@torch.no_grad()
+def init_logit_scale(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    logit_std: float = 1.0,
+    num_probe_tokens: int = 64,
+    seed: int = 0,
+) -> float:
+    """Scale the fresh drafter's final norm so its draft logits start with standard
+    deviation ``logit_std`` over the vocabulary; returns the factor applied.
+
+    At initialisation a block slot's output is little more than its token's
+    embedding; in front of a tied, anisotropic LM head (SmolLM2's) that gives
+    logits with a standard deviation near 11 and an initial loss of 26-39 nats
+    instead of ln V, which a short budget spends undoing. The factor is measured
+    on probe blocks (random anchors, mask slots, a zero context), so it fits any
+    target's head; it is a uniform rescale of ``norm.weight``, exact in the logits.
+    """
+    if logit_std <= 0:
+        raise ValueError(f"logit_std must be positive, got {logit_std}")
+    device = drafter.fc.weight.device
+    dtype = drafter.fc.weight.dtype
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    vocab = embed_weight.shape[0]
+    bs = drafter.block_size
+    block = torch.full((num_probe_tokens, bs), drafter.mask_token_id, dtype=torch.long)
+    block[:, 0] = torch.randint(0, vocab, (num_probe_tokens,), generator=gen)
+    block = block.to(device)
+    ctx = 1
+    noise = F.embedding(block, embed_weight.to(device)).to(dtype)
+    features = torch.zeros(num_probe_tokens, ctx, drafter.feature_size, device=device, dtype=dtype)
+    positions = torch.arange(ctx + bs, device=device).expand(num_probe_tokens, ctx + bs)
+    was_training = drafter.training
+    drafter.eval()
+    hidden = drafter(features, noise, positions)[:, 1:]
+    drafter.train(was_training)
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).to(lm_head_weight.dtype), lm_head_weight.to(device))
+    measured = float(logits.float().std(dim=-1).mean())  # a host read, once, before training
+    factor = logit_std / max(measured, 1e-12)
+    drafter.norm.weight.mul_(factor)
+    return factor
 
 
 class DraftContextCache:
@@ -756,12 +854,14 @@ def dflash_block_loss(
 
     bsz, num = anchors.shape
     hidden = hidden.view(bsz, num, bs, -1)
+    head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
     weights = _slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid
+    weights = weights[:, :, 1:] if in_vocab is None else weights[:, :, 1:] * in_vocab
     # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
     # Fused: never builds the [N, V] logits (DFLASH_FUSED_LOSS=off selects lm_head_loss).
-    loss_sum, weight_sum, hits = fused_lm_head_loss(
-        hidden[:, :, 1:], lm_head_weight, blocks.labels[:, :, 1:], weights[:, :, 1:]
-    )
+    loss_sum, weight_sum, hits = fused_lm_head_loss(hidden[:, :, 1:], head, labels, weights)
+    if in_vocab is not None:
+        hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
     loss = loss_sum / weight_sum.clamp(min=1e-6)
 
     with torch.no_grad():

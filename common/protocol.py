@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import msgpack
 
 PROTOCOL_VERSION = 1
+TOKEN_RANKING_MAX = 32768  # ids in WELCOME.token_ranking (about 100 KB of msgpack)
 
 # Error codes carried by ERROR messages.
 E_MALFORMED = "malformed"
@@ -109,6 +110,13 @@ class Welcome(Message):
     shm_slot_bytes: list[int] = optional(default_factory=list)
     shm_slots_per_bucket: int = optional(0)
     shm_weights_name: str = optional("")
+    # Batches the plan serves each group over all of data.num_epochs (0 = unlimited):
+    # with drafter.max_steps 0 the drafter's learning-rate schedule spans it.
+    plan_batches: int = optional(0)
+    batches_per_epoch: int = optional(0)
+    # Token ids of the training answers, most frequent first (at most TOKEN_RANKING_MAX):
+    # a drafter with drafter.draft_vocab_size = K scores the first K.
+    token_ranking: list[int] = optional(default_factory=list)
 
 
 @dataclass

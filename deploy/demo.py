@@ -98,6 +98,40 @@ def summarize(run_dir: Path) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def measure_tau(run_dir: Path, drafter_ids: list[str], prompts: int = 3, tokens: int = 32) -> dict[str, dict | None]:
+    """A short real evaluation of each drafter's last checkpoint (``dflash-eval``, one process per
+    drafter, in parallel): tau measured with the target, next to the training EAL proxy."""
+    procs = {}
+    for drafter_id in drafter_ids:
+        out = run_dir / "eval" / f"demo-{drafter_id}.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "tools.eval", str(run_dir), "--drafter", drafter_id, "--num-prompts", str(prompts),
+               "--max-new-tokens", str(tokens), "--no-baseline", "--threads", "1", "--json", str(out)]
+        console = open(run_dir / "logs" / f"eval-{drafter_id}.console", "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        procs[drafter_id] = (subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, env=env), out, console)
+    results: dict[str, dict | None] = {}
+    for drafter_id, (proc, out, console) in procs.items():
+        proc.wait()
+        console.close()
+        results[drafter_id] = json.loads(out.read_text()) if proc.returncode == 0 and out.is_file() else None
+    return results
+
+
+def tau_lines(results: dict[str, dict | None]) -> list[str]:
+    lines = []
+    for drafter_id, report in results.items():
+        if report is None:
+            lines.append(f"  drafter/{drafter_id}: evaluation failed (see logs/eval-{drafter_id}.console)")
+            continue
+        eal = report.get("training_eal")
+        proxy = f"the training EAL proxy predicts {1 + eal:.2f}" if eal is not None else "no EAL proxy logged"
+        rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"][:4])
+        lines.append(f"  drafter/{drafter_id}: measured tau {report['tau']:.2f} ({report['num_prompts']} held-out prompts, "
+                     f"acceptance at positions 1-4: {rates}); {proxy}")
+    return lines
+
+
 def _plots(run_dir: Path) -> list[Path]:
     """Curves of the run as PNGs in run_dir/plots/ (tools/report.py); a failure only costs the plots."""
     from tools.report import ReportError, write_report
@@ -168,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in procs:
                 codes[name] = _stop(procs[name], timeout_s=60.0)
         ctx.term()
-    elapsed = time.monotonic() - started
     lines, ok = summarize(run_dir)
+    lines += tau_lines(measure_tau(run_dir, drafter_ids))
+    elapsed = time.monotonic() - started
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
     print(f"\n=== DFlash demo summary ({elapsed:.0f}s) ===")
     print("\n".join(lines))

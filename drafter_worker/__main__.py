@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(f"drafter-{cfg.drafter.id}", cfg.run.path / "logs")
 
-    from drafter_worker.worker import DrafterWorker, FatalError
+    from drafter_worker.worker import DrafterWorker, FatalError, NonFiniteTraining
 
     worker = DrafterWorker(cfg)
     install_stop_handlers(worker.stop_event, cfg.drafter.stop_timeout_s, f"drafter {cfg.drafter.id}")
@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("[fatal] %s", exc)
         worker.close()
         return 2
+    except NonFiniteTraining as exc:
+        logger.error("[fatal] %s", exc)
+        worker.close()
+        return 3
     except BaseException:
         logger.exception("[fatal] drafter %s crashed", cfg.drafter.id)
         worker.close()

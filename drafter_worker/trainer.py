@@ -3,6 +3,14 @@
 The step never reads a device value on the host: the loss, gradient norm,
 clip decision, per-position hits and token counts are added into
 :class:`DeviceAccumulators` and read back later, without waiting.
+
+A step whose loss or gradient norm is not finite changes nothing: the fused
+AdamW kernel is handed a device-side ``found_inf`` flag (the mechanism
+``torch.amp.GradScaler`` uses) and skips the update, its step count and
+moment estimates included, without the host ever reading the flag. The
+number of such steps and the longest run of them are device counters too;
+the worker stops the drafter when a snapshot shows ``MAX_NONFINITE_STREAK``
+in a row.
 """
 
 from __future__ import annotations
@@ -16,12 +24,22 @@ from common.device_metrics import DeviceAccumulators
 from common.dflash_model import DFlashDrafter, dflash_block_loss
 
 
-def learning_rate(cfg: DrafterConfig, step: int) -> float:
+MAX_NONFINITE_STREAK = 10  # this many non-finite steps in a row stop the drafter (exit code 3)
+
+
+def schedule_length(cfg: DrafterConfig, plan_steps: int = 0) -> int:
+    """Steps the cosine covers: ``decay_steps``, else ``max_steps``, else the plan
+    length the target announced (its batches for this group over all epochs);
+    0 = no known end (the learning rate stays at its peak after warm-up)."""
+    return cfg.decay_steps or cfg.max_steps or plan_steps
+
+
+def learning_rate(cfg: DrafterConfig, step: int, plan_steps: int = 0) -> float:
     """Linear warm-up, then cosine decay to ``learning_rate * min_lr_ratio``."""
     peak = cfg.learning_rate
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
-    decay = cfg.decay_steps or cfg.max_steps
+    decay = schedule_length(cfg, plan_steps)
     if not decay:
         return peak
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay - cfg.warmup_steps))
@@ -34,8 +52,8 @@ def make_optimizer(cfg: DrafterConfig, model: DFlashDrafter) -> torch.optim.Opti
     for name, param in model.named_parameters():
         (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(0.9, 0.95), fused=fused or None)
+    # Fused (CPU and CUDA): the only AdamW that takes a device-side found_inf flag.
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=True)
 
 
 class DrafterTrainer:
@@ -53,13 +71,18 @@ class DrafterTrainer:
         self.optimizer = optimizer
         self.generator = generator
         self.step = step
+        self.plan_steps = 0  # the target's plan length for this group (WELCOME); sets the schedule when max_steps is 0
         self.collect_metrics = collect_metrics  # off only to measure what metrics cost (bench/)
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
         bs = model.block_size
+        # Consecutive non-finite steps so far (device scalar; never read in the step).
+        self.nonfinite_streak = torch.zeros((), device=device)
         self.metrics = DeviceAccumulators(device, {
             "loss_sum": (1, "sum"),
             "steps": (1, "sum"),
+            "finite_steps": (1, "sum"),
+            "nonfinite_streak_max": (1, "max"),
             "correct": (bs, "sum"),
             "count": (bs, "sum"),
             "grad_norm_sum": (1, "sum"),
@@ -78,7 +101,7 @@ class DrafterTrainer:
         lm_head_weight: torch.Tensor,
     ) -> float:
         """One optimizer step on one batch; returns the learning rate used (a host value)."""
-        lr = learning_rate(self.cfg, self.step)
+        lr = learning_rate(self.cfg, self.step, self.plan_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
@@ -97,24 +120,38 @@ class DrafterTrainer:
         out.loss.backward()
         # Returns the pre-clip norm as a device tensor; clipping itself is a device op.
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        loss = out.loss.detach()
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        # Read by the fused kernel on the device: 1 skips the whole update.
+        self.optimizer.grad_scale = None
+        self.optimizer.found_inf = (~finite).float()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_streak = (self.nonfinite_streak + 1.0) * (~finite)
         self.step += 1
         if self.collect_metrics:
-            self.record_step(out.loss.detach(), out.correct_per_pos, out.count_per_pos, out.num_tokens, norm)
+            self.record_step(loss, out.correct_per_pos, out.count_per_pos, out.num_tokens, norm, finite)
         return lr
 
-    def record_step(self, loss, correct_per_pos, count_per_pos, num_tokens, grad_norm) -> None:
-        """Add one step's device values to the accumulators (device ops only, no host read)."""
+    def record_step(self, loss, correct_per_pos, count_per_pos, num_tokens, grad_norm, finite=None) -> None:
+        """Add one step's device values to the accumulators (device ops only, no host read).
+
+        A non-finite step counts in ``steps`` and the streak only: its loss and norm
+        would poison the window's means."""
         m = self.metrics
-        m.add("loss_sum", loss)
+        if finite is None:
+            finite = torch.ones((), dtype=torch.bool, device=loss.device)
+        ok = finite.float()
+        m.add("loss_sum", torch.where(finite, loss, 0.0))
         m.add("steps", 1.0)
-        m.add("correct", correct_per_pos)
-        m.add("count", count_per_pos)
-        m.add("grad_norm_sum", grad_norm)
-        m.maximum("grad_norm_max", grad_norm)
-        m.add("clipped", (grad_norm > self.cfg.grad_clip).float())
-        m.add("label_tokens", num_tokens)
+        m.add("finite_steps", ok)
+        m.maximum("nonfinite_streak_max", self.nonfinite_streak)
+        m.add("correct", correct_per_pos * ok)
+        m.add("count", count_per_pos * ok)
+        m.add("grad_norm_sum", torch.where(finite, grad_norm, 0.0))
+        m.maximum("grad_norm_max", torch.where(finite, grad_norm, 0.0))
+        m.add("clipped", (finite & (grad_norm > self.cfg.grad_clip)).float())
+        m.add("label_tokens", num_tokens * ok)
 
 
     def warm_up(self, shapes: list[tuple[int, int]], feature_dim: int, embed_weight, lm_head_weight) -> None:
@@ -147,7 +184,7 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
     Plain Python on host floats: no tensors, so nothing here can touch a device
     (and the CPU sync guard has nothing to flag).
     """
-    steps = max(values["steps"][0], 1.0)
+    steps = max(values["finite_steps"][0], 1.0)
     acc = [c / max(n, 1.0) for c, n in zip(values["correct"], values["count"])]
     # EAL = sum_k prod_{i<=k} acc_i over the draft slots (as expected_acceptance_length).
     eal, run = 0.0, 1.0
@@ -161,6 +198,8 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
         "clip_rate": values["clipped"][0] / steps,
         "label_tokens": values["label_tokens"][0],
         "eal": eal,
+        "nonfinite_steps": values["steps"][0] - values["finite_steps"][0],
+        "nonfinite_streak": values["nonfinite_streak_max"][0],
     }
     for k in range(1, len(acc)):
         out[f"acc/pos_{k}"] = acc[k]

@@ -27,7 +27,7 @@ import zmq
 
 from common import protocol as P
 from common.config import Config
-from common.dflash_model import DFlashDrafter, make_drafter_config
+from common.dflash_model import DFlashDrafter, init_logit_scale, make_drafter_config
 from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
@@ -35,13 +35,17 @@ from common.shm_transport import ShmRing
 from common.streams import SideStream, record_current, wait_current
 from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
-from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize
+from drafter_worker.trainer import MAX_NONFINITE_STREAK, DrafterTrainer, make_optimizer, summarize
 
 logger = logging.getLogger(__name__)
 
 
 class FatalError(RuntimeError):
     """The target refused this drafter for a reason retrying cannot fix (config/version mismatch)."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """Training produced nothing but non-finite losses or gradients for too long (exit code 3)."""
 
 
 class TargetUnavailable(RuntimeError):
@@ -161,6 +165,7 @@ class DrafterWorker:
         self._checkpoint_step = self.state.step if self.state else 0
         self._embed: torch.Tensor | None = None
         self._warmed_up = False
+        self._fresh_model = False  # built this run (not resumed): its logit scale is set once the LM head arrives
         self._head: torch.Tensor | None = None
         self._window = _Window()
         self._window_host: tuple[_Window, int, float] | None = None
@@ -233,6 +238,12 @@ class DrafterWorker:
                     local_host=local_address_towards(welcome.store_host),
                 )
                 self._receive_weights(pair, welcome)
+            if self._fresh_model:
+                factor = init_logit_scale(self.trainer.model, self._embed, self._head,
+                                          self.dcfg.logit_std_init or 1.0, seed=self.dcfg.seed)
+                self._fresh_model = False
+                logger.info("[model] final norm scaled by %.4f: initial draft logits have std %.2f over the vocabulary",
+                            factor, self.dcfg.logit_std_init or 1.0)
             receiver = Receiver(pair, ring, self.cfg.transport.timeout_s, self.device)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
@@ -309,9 +320,11 @@ class DrafterWorker:
                     f"the target now captures layers {welcome.target_layer_ids} but this drafter was built for "
                     f"{list(model.target_layer_ids)}"
                 )
+            self._set_plan(welcome)
             return
         if self.dcfg.threads:
             torch.set_num_threads(self.dcfg.threads)
+        torch.set_float32_matmul_precision(self.dcfg.matmul_precision)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.dcfg.seed)
         if self._resume_path is not None:
@@ -343,16 +356,43 @@ class DrafterWorker:
                 target_layer_ids=welcome.target_layer_ids,
                 block_size=self.dcfg.block_size,
                 mask_token_id=welcome.mask_token_id,
+                draft_vocab_size=min(self.dcfg.draft_vocab_size, welcome.vocab_size),
             )
             torch.manual_seed(self.dcfg.seed)
             model = DFlashDrafter(config).to(self.device)
+            if model.draft_vocab_size:
+                self._set_draft_vocab(model, welcome)
             optimizer = make_optimizer(self.dcfg, model)
             step = 0
+            self._fresh_model = True
             self.state = TrainerState(0, Coverage(), self.dcfg.id, self.dcfg.group, welcome.model_id)
         self.trainer = DrafterTrainer(self.dcfg, model, optimizer, generator, step)
+        self._set_plan(welcome)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("[model] drafter %s: %.2fM parameters, %d layers, block %d, starting at step %d",
                     self.dcfg.id, n_params / 1e6, self.dcfg.num_layers, model.block_size, step)
+
+    def _set_draft_vocab(self, model: DFlashDrafter, welcome: P.Welcome) -> None:
+        """The K tokens the target's training answers use most; ids the data never uses fill the rest."""
+        k = model.draft_vocab_size
+        ranked = list(dict.fromkeys(welcome.token_ranking))[:k]
+        if any(not 0 <= t < welcome.vocab_size for t in ranked):
+            raise FatalError("the target's token ranking holds ids outside its vocabulary")
+        seen = set(ranked)
+        ranked += [t for t in range(welcome.vocab_size) if t not in seen][: k - len(ranked)]
+        model.set_draft_vocab(ranked)
+        logger.info("[model] draft vocabulary: the %d most used of %d answer tokens (of %d)", k,
+                    len(welcome.token_ranking), welcome.vocab_size)
+
+    def _set_plan(self, welcome: P.Welcome) -> None:
+        """The plan length the target announced sets the schedule when max_steps is 0."""
+        if welcome.plan_batches < 0:
+            raise TargetUnavailable(f"target announced a negative plan length ({welcome.plan_batches})")
+        if welcome.plan_batches != self.trainer.plan_steps:
+            self.trainer.plan_steps = welcome.plan_batches
+            if not (self.dcfg.max_steps or self.dcfg.decay_steps):
+                logger.info("[schedule] learning rate: warm-up %d, cosine over the plan's %s batches",
+                            self.dcfg.warmup_steps, welcome.plan_batches or "unlimited (constant after warm-up)")
 
     def _receive_weights(self, pair: PairGroup, welcome: P.Welcome) -> None:
         layout = WeightsLayout(welcome.vocab_size, welcome.hidden_size, welcome.embed_tied, dtype_from_name(welcome.dtype))
@@ -494,6 +534,13 @@ class DrafterWorker:
 
     def _checkpoint(self) -> None:
         trainer = self.trainer
+        # Bad steps never change the weights (found_inf), so this holds unless something else
+        # broke them; then keep the last finite checkpoint rather than write over it.
+        # One host read per checkpoint, which copies every weight to the host anyway.
+        finite = torch.stack([torch.isfinite(p).all() for p in trainer.model.parameters()]).all()
+        if not bool(finite):
+            raise NonFiniteTraining(f"drafter {self.dcfg.id} has non-finite weights at step {trainer.step}; "
+                                    f"kept the last finite checkpoint (step {self._checkpoint_step})")
         self.state.step = trainer.step
         self.ledger.make_durable()
         path = self.checkpoints.save(self.state, trainer.model, trainer.optimizer, trainer.generator)
@@ -524,6 +571,13 @@ class DrafterWorker:
         self._window_host = None
         elapsed = max(time.monotonic() - w.start, 1e-9)
         record = summarize(values)
+        streak = record.pop("nonfinite_streak")
+        if streak >= MAX_NONFINITE_STREAK:
+            raise NonFiniteTraining(
+                f"drafter {self.dcfg.id}: {int(streak)} steps in a row had a non-finite loss or gradient norm "
+                f"(none of them changed the weights); stopping at step {self.trainer.step}, the last checkpoint "
+                f"is step {self._checkpoint_step}. Lower drafter.learning_rate or check the target's features."
+            )
         record.update({
             "lr": lr,
             "tokens_per_s": w.tokens / elapsed,

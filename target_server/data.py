@@ -329,6 +329,17 @@ def conversation_hash(messages: Sequence[dict[str, str]], seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
+def token_ranking(samples: Sequence[Sample], vocab_size: int, limit: int) -> list[int]:
+    """Token ids of the samples' loss tokens, most frequent first (ties: lower id first), at most ``limit``."""
+    if not samples:
+        return []
+    ids = torch.cat([s.input_ids[s.loss_mask.bool()].long() for s in samples])
+    counts = torch.bincount(ids.clamp(0, vocab_size - 1), minlength=vocab_size)
+    order = torch.argsort(counts, descending=True, stable=True)  # stable: ties keep the lower id first
+    present = int((counts > 0).sum())
+    return order[: min(present, limit)].tolist()
+
+
 def build_dataset(
     tokenizer: Any,
     source: str,

@@ -36,7 +36,8 @@ from common.streams import SideStream
 from common.transport import TransportError, host_store, local_address_towards
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
-from target_server.data import build_dataset
+from target_server.data import build_dataset, token_ranking
+from target_server.feature_cache import FeatureCache
 from target_server.link import DrafterLink, LinkEvent
 from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
@@ -98,13 +99,16 @@ class TargetServer:
         # Host-side counters written by the capture thread, read by the control thread.
         self._stats_lock = threading.Lock()
         self._captured_batches = 0
+        self._forward_batches = 0  # batches that ran the model (the rest came from the feature cache)
+        self._cached_batches = 0
+        self.feature_cache = FeatureCache(int(cfg.target.feature_cache_gb * 1e9))
         self._captured_tokens = 0
         self._padded_tokens = 0
         self._forward_s = 0.0
         self._bytes_sent = 0
         self._send_s = 0.0
         self._window_start = time.monotonic()
-        self._last_totals: tuple = (0, 0.0, 0, 0, 0, 0.0, 0.0)
+        self._last_totals: tuple = (0, 0.0, 0, 0, 0, 0.0, 0.0, 0, 0)
         self._tokens_per_s = 0.0
 
     # ---------------------------------------------------------------- start-up
@@ -155,6 +159,7 @@ class TargetServer:
             loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
             heldout_fraction=cfg.data.heldout_fraction, max_samples=cfg.data.max_samples,
         )
+        self.token_ranking = token_ranking(self.dataset.train, loaded.vocab_size, P.TOKEN_RANKING_MAX)
         self.spec = BucketSpec(tuple(cfg.data.bucket_lengths), cfg.data.tokens_per_batch)
         self.plan = BatchPlan(self.dataset.train_lengths(), self.spec, cfg.data.seed)
         total = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
@@ -253,12 +258,18 @@ class TargetServer:
                     if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
                         input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
                     real = sum(min(len(s), layout.seq_len) for s in samples)
+                    cached = self.feature_cache.covers(planned.sample_ids)
                     start = time.perf_counter()
                     with stream.active():
                         ids.copy_(input_ids, non_blocking=True)
                         mask.copy_(loss_mask, non_blocking=True)
                         lengths.copy_(lens, non_blocking=True)
-                        self.capture.run(ids.long(), features)
+                        if cached:
+                            self.feature_cache.fill(planned.sample_ids, features)
+                        else:
+                            self.capture.run(ids.long(), features)
+                            self.feature_cache.store(planned.sample_ids, [min(len(s), layout.seq_len) for s in samples],
+                                                     features)
                     ready_event = stream.record()
                     elapsed = time.perf_counter() - start
                     shm_tag = self._shm_pool.publish(planned.bucket, pool_slot) if pool_slot >= 0 else 0
@@ -273,7 +284,11 @@ class TargetServer:
                     self._captured_batches += 1
                     self._captured_tokens += real
                     self._padded_tokens += layout.batch_size * layout.seq_len
-                    self._forward_s += elapsed
+                    if cached:
+                        self._cached_batches += 1
+                    else:
+                        self._forward_s += elapsed
+                        self._forward_batches += 1
         except BaseException as exc:  # surfaced by the control loop, which exits non-zero
             self._capture_error = exc
             logger.exception("capture thread failed")
@@ -457,6 +472,9 @@ class TargetServer:
             registration_epoch=epoch,
             heartbeat_interval_s=self.cfg.control.heartbeat_interval_s,
             heartbeat_timeout_s=self.cfg.control.heartbeat_timeout_s,
+            plan_batches=self.scheduler.total_batches or 0,
+            token_ranking=self.token_ranking,
+            batches_per_epoch=self.plan.batches_per_epoch,
             **shm,
         ))
         logger.info(
@@ -557,8 +575,9 @@ class TargetServer:
         """Window values (deltas since the last push) plus running totals; all host-side numbers."""
         with self._stats_lock:
             totals = (self._captured_batches, self._forward_s, self._captured_tokens, self._padded_tokens,
-                      self._bytes_sent, self._send_s, self.scheduler.blocked_s)
-        batches, forward_s, tokens, padded, sent, send_s, blocked_s = (
+                      self._bytes_sent, self._send_s, self.scheduler.blocked_s, self._forward_batches,
+                      self._cached_batches)
+        batches, forward_s, tokens, padded, sent, send_s, blocked_s, forwards, cached = (
             a - b for a, b in zip(totals, self._last_totals)
         )
         elapsed = max(now - self._window_start, 1e-9)
@@ -568,7 +587,9 @@ class TargetServer:
         values = {
             "tokens_per_s": self._tokens_per_s,
             "batches_per_s": batches / elapsed,
-            "forward_ms": 1000.0 * forward_s / batches if batches else 0.0,
+            "forward_ms": 1000.0 * forward_s / forwards if forwards else 0.0,
+            "cache_hit_frac": cached / batches if batches else 0.0,
+            "feature_cache_gb": self.feature_cache.nbytes / 1e9,
             "padding_frac": 1.0 - tokens / padded if padded else 0.0,
             "send_gbps": sent / send_s / 1e9 if send_s > 0 else 0.0,
             "bytes_sent": totals[4],

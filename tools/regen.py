@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--threads", type=int, help="torch CPU threads (default target.threads, else torch's)")
+    p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts of the file (default all)")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0:
-        p.error("--batch-size and --max-new-tokens must be >= 1, --temperature >= 0")
+    if args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
+        p.error("--batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
 
     from common.config import ConfigError, load_config
     from common.logging_setup import setup_logging
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         prompts = read_prompts(args.prompts)
+        if args.limit:
+            prompts = prompts[: args.limit]
         resume_state(args.out, prompts)  # refuse a foreign --out before the model loads
 
         import torch

@@ -158,6 +158,20 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
             _axes(ax, label, "step", legend=True)
         save(fig, "drafters.png")
 
+    evaluated = {d: s for d, s in drafters.items() if s.by_time("eval/tau", t0)[0]}
+    if evaluated:
+        # tau is the product; plotted against wall-clock minutes, the budget a user pays.
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig.suptitle(f"measured speculative decoding ({run_dir.name})")
+        for drafter_id, series in evaluated.items():
+            for ax, key in ((axes[0], "eval/tau"), (axes[1], "eval/speedup")):
+                times, values = series.by_time(key, t0)
+                if times:
+                    ax.plot([t / 60.0 for t in times], values, marker=".", label=drafter_id)
+        _axes(axes[0], "tau (tokens per draft-and-verify step)", "minutes since the first record", legend=True)
+        _axes(axes[1], "speed-up vs plain greedy (when measured)", "minutes since the first record", legend=True)
+        save(fig, "eval.png")
+
     if "target" in sources:
         target = sources["target"]
         fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)

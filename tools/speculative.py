@@ -394,6 +394,9 @@ class DFlashProposer:
         self.drafter = drafter.eval()
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
+        # The rows the drafter scores (all of them unless it has a draft vocabulary), gathered once.
+        self._draft_head, _, _ = drafter.head_and_labels(lm_head_weight)
+        self._draft_vocab = drafter.draft_vocab.to(lm_head_weight.device) if drafter.draft_vocab_size else None
         self.block_size = drafter.block_size
         self.layer_ids: list[int] | None = list(drafter.target_layer_ids)
         self.cache = DraftContextCache(len(drafter.layers))
@@ -417,5 +420,11 @@ class DFlashProposer:
         # Always the full block the drafter was trained on, even when fewer drafts are needed.
         positions = torch.arange(start - ctx_new, start + self.block_size, device=device)[None]
         hidden = self.drafter(features.to(device=device, dtype=dtype), noise, positions, None, context_cache=self.cache)
-        head = self.lm_head_weight
-        return F.linear(hidden[0, 1 : 1 + num_draft].to(device=head.device, dtype=head.dtype), head)
+        head = self._draft_head
+        logits = F.linear(hidden[0, 1 : 1 + num_draft].to(device=head.device, dtype=head.dtype), head)
+        if self._draft_vocab is None:
+            return logits
+        # A draft vocabulary: scores for its ids, -inf for every other target token.
+        full = logits.new_full((logits.shape[0], self.lm_head_weight.shape[0]), float("-inf"))
+        full[:, self._draft_vocab] = logits
+        return full

@@ -26,7 +26,7 @@ SAMPLES: dict[str, P.Message] = {
         buckets=[[12, 64], [6, 128], [4, 192]], store_host="127.0.0.1", store_port=5556,
         pair_prefix="pair/d0/3", registration_epoch=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0,
         shm_name="dflash.42.ring.d0.3", shm_slot_bytes=[1024, 2048, 4096], shm_slots_per_bucket=4,
-        shm_weights_name="dflash.42.weights",
+        shm_weights_name="dflash.42.weights", plan_batches=300, batches_per_epoch=100, token_ranking=[5, 3, 9],
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
@@ -96,7 +96,8 @@ def test_encode_is_plain_msgpack(name):
 # that leaves them at their defaults must encode exactly as before they existed,
 # so a peer built before them still decodes it.
 @pytest.mark.parametrize("name,added", [
-    ("BATCH", {"slot"}), ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name"}),
+    ("BATCH", {"slot"}), ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name",
+                                     "plan_batches", "batches_per_epoch", "token_ranking"}),
 ])
 def test_fields_added_later_are_left_out_at_their_defaults(name, added):
     msg = dataclasses.replace(SAMPLES[name], **{f.name: f.default if f.default is not dataclasses.MISSING

@@ -1,0 +1,178 @@
+"""Compare drafter recipes quickly: same captured features, same time budget, measured tau.
+
+    python bench/recipe_sweep.py --config configs/quality.toml --minutes 6 \\
+        --variant base: --variant bs16:drafter.block_size=16 --variant lr3e-3:drafter.learning_rate=3e-3
+
+The target captures the features of the first ``--samples`` training samples
+once (kept in memory); each variant then trains a fresh drafter on them for
+the same wall-clock budget, in the drafter's real training step
+(``DrafterTrainer``: anchors, loss, fused AdamW, schedule over the budget's
+steps as measured by the first variant... each variant's own pace), and is evaluated
+with real speculative decoding against the target on held-out prompts. This
+is what ``docs/recipe.md``'s table of settings was measured with; the recipe
+itself then runs in the real pipeline (``make quality``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.config import load_config  # noqa: E402
+from common.dflash_model import DFlashDrafter, build_target_layer_ids, init_logit_scale, make_drafter_config  # noqa: E402
+from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
+from target_server.capture import LayerCapture  # noqa: E402
+from target_server.data import build_dataset, token_ranking  # noqa: E402
+from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id  # noqa: E402
+from tools.eval import evaluate, stop_token_ids  # noqa: E402
+
+
+def capture_all(loaded, layer_ids, samples, batch_tokens: int = 1024):
+    capture = LayerCapture(loaded.model, layer_ids)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
+    out: dict[int, torch.Tensor] = {}
+    i = 0
+    while i < len(order):
+        length = len(samples[order[i]])
+        rows = max(1, batch_tokens // length)
+        idx = order[i : i + rows]
+        seq = max(len(samples[j]) for j in idx)
+        ids = torch.full((len(idx), seq), loaded.pad_token_id, dtype=torch.long)
+        for r, j in enumerate(idx):
+            ids[r, : len(samples[j])] = samples[j].input_ids.long()
+        buf = torch.empty(len(idx), seq, len(layer_ids) * loaded.hidden_size)
+        capture.run(ids, buf)
+        for r, j in enumerate(idx):
+            out[j] = buf[r, : len(samples[j])].clone()
+        i += rows
+    capture.close()  # its hooks would fire in the evaluation's forward passes
+    return out
+
+
+def batches(samples, feats, rng: random.Random, seqs: int):
+    """Endless random batches of ``seqs`` samples, padded to the longest (epoch by epoch)."""
+    while True:
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for k in range(0, len(order) - seqs + 1, seqs):
+            idx = order[k : k + seqs]
+            seq = max(len(samples[j]) for j in idx)
+            f = torch.zeros(len(idx), seq, feats[idx[0]].shape[-1])
+            ids = torch.zeros(len(idx), seq, dtype=torch.int32)
+            mask = torch.zeros(len(idx), seq, dtype=torch.uint8)
+            lens = torch.zeros(len(idx), dtype=torch.int32)
+            for r, j in enumerate(idx):
+                n = len(samples[j])
+                f[r, :n] = feats[j]
+                ids[r, :n] = samples[j].input_ids
+                mask[r, :n] = samples[j].loss_mask
+                lens[r] = n
+            yield f, ids, mask, lens
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="override for every variant")
+    p.add_argument("--variant", action="append", required=True, help="NAME:key=value,key=value")
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--seqs", type=int, default=4, help="sequences per step")
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
+    p.add_argument("--feature-dir", default="/tmp/dflash-sweep", help="captured features are kept here between runs")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
+    ds = build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples)
+    layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
+    mask_id = pick_mask_token_id(loaded.tokenizer, None, vocab_size=loaded.vocab_size)
+    t0 = time.monotonic()
+    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), len(ds.train),
+                                     layer_ids]).encode()).hexdigest()[:12]
+    cache = Path(args.feature_dir) / f"features-{key}.pt"
+    if cache.is_file():
+        feats = torch.load(cache)
+    else:
+        feats = capture_all(loaded, layer_ids, ds.train)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(feats, cache)
+    print(f"features of {len(ds.train)} samples ready in {time.monotonic() - t0:.0f}s ({cache})", flush=True)
+    embed, head, _ = embedding_weights(loaded.model)
+    embed, head = embed.float(), head.float()
+    prompts = []
+    for s in ds.heldout:
+        m = s.loss_mask.tolist()
+        if 1 in m and m.index(1) > 0:
+            prompts.append(s.input_ids[: m.index(1)].tolist())
+    prompts = prompts[: args.eval_prompts]
+    stops = stop_token_ids(loaded.tokenizer, loaded.model)
+    ranking = token_ranking(ds.train, loaded.vocab_size, 1 << 15)
+    arch = loaded.config
+    for spec in args.variant:
+        name, _, sets = spec.partition(":")
+        overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.")) else kv for kv in sets.split(",") if kv]
+        vcfg = load_config(args.config, [*args.overrides, *overrides]).drafter
+        config = make_drafter_config(
+            hidden_size=loaded.hidden_size, num_attention_heads=arch.num_attention_heads,
+            num_key_value_heads=arch.num_key_value_heads, head_dim=loaded.hidden_size // arch.num_attention_heads,
+            intermediate_size=arch.intermediate_size, vocab_size=loaded.vocab_size, rms_norm_eps=arch.rms_norm_eps,
+            rope_theta=float((getattr(arch, "rope_parameters", None) or {}).get("rope_theta", getattr(arch, "rope_theta", 10000.0))),
+            max_position_embeddings=arch.max_position_embeddings, num_hidden_layers=vcfg.num_layers,
+            num_target_layers=loaded.num_layers, target_layer_ids=layer_ids, block_size=vcfg.block_size,
+            mask_token_id=mask_id, draft_vocab_size=vcfg.draft_vocab_size)
+        torch.manual_seed(vcfg.seed)
+        model = DFlashDrafter(config)
+        if vcfg.draft_vocab_size:
+            ranked = ranking[: vcfg.draft_vocab_size]
+            ranked += [t for t in range(loaded.vocab_size) if t not in set(ranked)][: vcfg.draft_vocab_size - len(ranked)]
+            model.set_draft_vocab(ranked)
+        init_logit_scale(model, embed, head, vcfg.logit_std_init or 1.0, seed=vcfg.seed)
+        gen = torch.Generator().manual_seed(vcfg.seed)
+        trainer = DrafterTrainer(vcfg, model, make_optimizer(vcfg, model), gen, 0)
+        data = batches(ds.train, feats, random.Random(vcfg.seed), args.seqs)
+        # Schedule: estimate the budget's steps from the first 3 steps' pace.
+        budget = args.minutes * 60
+        start = time.monotonic()
+        blocks = 0
+        losses = []
+        while time.monotonic() - start < budget:
+            f, ids, mask, lens = next(data)
+            if trainer.step == 3:
+                pace = (time.monotonic() - start) / 3
+                trainer.plan_steps = int(budget / pace)
+            trainer.train_step(f, ids, mask, lens, embed, head)
+            blocks += int(min(vcfg.anchors_per_sequence, int(lens.max())) * len(lens))
+            if trainer.step % 10 == 0 and trainer.metrics.snapshot():
+                v = trainer.metrics.poll()
+                losses.append(v["loss_sum"][0] / max(v["finite_steps"][0], 1))
+        train_s = time.monotonic() - start
+        model.eval()
+        report = evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
+        row = {"variant": name, "overrides": overrides, "minutes": args.minutes, "steps": trainer.step,
+               "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
+               "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
+               "speedup": round(report["speedup"], 3), "samples": len(ds.train)}
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""``make quality``: train one drafter with the quality recipe and measure it against the real target.
+
+    python deploy/quality.py --config configs/quality.toml [--set key=value ...] [--train-minutes 44]
+
+Starts the job the way the demo does (metrics sidecar, target server, drafter,
+each its own process) plus one ``dflash-eval --watch`` process per drafter that
+evaluates every new checkpoint with real speculative decoding, so W&B and the
+report show ``eval/tau`` against wall-clock minutes. Training ends when the
+target has served the recipe's epochs (the learning-rate schedule spans
+exactly that plan) or, as a safety net on a slow machine, after
+``--train-minutes`` (the drafter then checkpoints on SIGTERM). Then a final
+evaluation on held-out prompts (target-generated answers the drafter never
+trained on) measures tau, acceptance per block position and speculative vs
+plain greedy tokens/s side by side; the drafter is exported; the summary is
+printed and written to ``<run>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
+from deploy.demo import _plots, _start, _status, _stop, summarize  # noqa: E402
+
+
+def _eval_final(run_dir: Path, drafter_id: str, args: argparse.Namespace, log_dir: Path) -> dict | None:
+    out = run_dir / "eval" / f"final-{drafter_id}.json"
+    cmd = [sys.executable, "-m", "tools.eval", str(run_dir), "--drafter", drafter_id,
+           "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
+           "--threads", str(args.eval_threads), "--json", str(out)]
+    with open(log_dir / f"eval-final-{drafter_id}.console", "w") as console:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+    if code != 0 or not out.is_file():
+        print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {log_dir}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def _export(run_dir: Path, drafter_id: str, log_dir: Path) -> Path | None:
+    out = run_dir / "export" / drafter_id
+    cmd = [sys.executable, "-m", "tools.export", str(run_dir), "--drafter", drafter_id, "--out", str(out)]
+    with open(log_dir / f"export-{drafter_id}.console", "w") as console:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+    return out if code == 0 else None
+
+
+def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
+    """(minutes since the run's first record, step, tau) of every --watch evaluation."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    t0, points = None, []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        t0 = rec["time"] if t0 is None else min(t0, rec["time"])
+        if rec.get("source") == f"drafter/{drafter_id}" and "eval/tau" in rec.get("values", {}):
+            points.append((rec["time"], int(rec["step"]), float(rec["values"]["eval/tau"])))
+    return [((t - t0) / 60.0, step, tau) for t, step, tau in points]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "quality.toml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--train-minutes", type=float, default=44.0,
+                        help="stop training after this long even if the plan is not finished (default 44)")
+    parser.add_argument("--eval-every-s", type=float, default=30.0, help="how often the watcher looks for a new checkpoint")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the final evaluation")
+    parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
+    parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
+    parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        drafter_ids = drafter_ids_in(args.config) or [cfg.drafter.id]
+    except ConfigError as exc:
+        print(f"quality: config error: {exc}", file=sys.stderr)
+        return 2
+    source = Path(cfg.data.source)
+    if cfg.data.source != "pydoc" and not (source if source.is_absolute() else ROOT / source).is_file():
+        print(f"quality: the recipe's data {cfg.data.source} is missing; docs/recipe.md says how to make it",
+              file=sys.stderr)
+        return 2
+    run_dir = cfg.run.path if cfg.run.path.is_absolute() else ROOT / cfg.run.path
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    common_args = ["--config", args.config, *[f"--set={o}" for o in args.overrides]]
+    log_dir = run_dir / "logs"
+    procs: dict[str, subprocess.Popen] = {}
+    started = time.monotonic()
+    ctx = zmq.Context()
+    timed_out = False
+    try:
+        procs["metrics"] = _start("metrics", "metrics_sidecar", common_args, log_dir)
+        procs["target"] = _start("target", "target_server", common_args, log_dir)
+        for drafter_id in drafter_ids:
+            procs[drafter_id] = _start(f"drafter-{drafter_id}", "drafter_worker", [*common_args, "--id", drafter_id], log_dir)
+            if not args.no_watch:
+                procs[f"eval-{drafter_id}"] = _start(
+                    f"eval-watch-{drafter_id}", "tools.eval",
+                    [str(run_dir), "--watch", "--drafter", drafter_id, "--every-s", str(args.eval_every_s),
+                     "--num-prompts", "4", "--max-new-tokens", "32", "--threads", "1"], log_dir)
+        print(f"quality: started sidecar, target, drafters {', '.join(drafter_ids)} and their eval watchers; "
+              f"logs in {log_dir}")
+        last_print = 0.0
+        train_started = None
+        while any(procs[d].poll() is None for d in drafter_ids):
+            time.sleep(2.0)
+            elapsed = time.monotonic() - started
+            for name in ("target", "metrics"):
+                if procs[name].poll() is not None:
+                    print(f"quality: {name} exited with {procs[name].returncode}; see {log_dir}/{name}.log", file=sys.stderr)
+                    return 1
+            status = _status(cfg.control.address, ctx) if elapsed - last_print >= 30.0 else None
+            if status is not None:
+                last_print = elapsed
+                if train_started is None and any(d["step"] > 0 for d in status.drafters):
+                    train_started = time.monotonic()
+                parts = [f"{d['id']} step {d['step']}" for d in sorted(status.drafters, key=lambda d: d["id"])]
+                curve = [c for d in drafter_ids for c in _eval_curve(run_dir, d)[-1:]]
+                tau = f" | eval tau {curve[-1][2]:.2f} @ step {curve[-1][1]}" if curve else ""
+                print(f"quality: [{elapsed / 60:5.1f} min] {' | '.join(parts) or 'drafters registering'} | "
+                      f"target {status.tokens_per_s:.0f} tok/s{tau}", flush=True)
+            if elapsed > args.train_minutes * 60:
+                timed_out = True
+                print(f"quality: {args.train_minutes:g} minutes are up: stopping the drafters (they checkpoint)")
+                for d in drafter_ids:
+                    _stop(procs[d], timeout_s=120.0)
+                break
+        failed = {d: procs[d].returncode for d in drafter_ids if procs[d].returncode not in (0, -15)}
+        if failed:
+            print(f"quality: drafters failed: {failed}; see {log_dir}", file=sys.stderr)
+            return 1
+    finally:
+        codes = {}
+        for name in [*[f"eval-{d}" for d in drafter_ids], "target", *drafter_ids, "metrics"]:
+            if name in procs:
+                codes[name] = _stop(procs[name], timeout_s=60.0)
+        ctx.term()
+    train_minutes = (time.monotonic() - started) / 60.0
+
+    results = {}
+    for drafter_id in drafter_ids:
+        report = _eval_final(run_dir, drafter_id, args, log_dir)
+        export = _export(run_dir, drafter_id, log_dir)
+        results[drafter_id] = {"report": report, "export": str(export) if export else None,
+                               "tau_curve": _eval_curve(run_dir, drafter_id)}
+    total_minutes = (time.monotonic() - started) / 60.0
+    lines, ok = summarize(run_dir)
+    plots = _plots(run_dir)
+
+    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all, {train_minutes:.1f} min of training"
+          f"{', stopped by the time limit' if timed_out else ''}) ===")
+    print("\n".join(lines))
+    summary = {"config": args.config, "overrides": args.overrides, "total_minutes": total_minutes,
+               "train_minutes": train_minutes, "timed_out": timed_out, "drafters": {}}
+    for drafter_id, result in results.items():
+        report = result["report"]
+        if report is None:
+            ok = False
+            print(f"  {drafter_id}: no final evaluation")
+            continue
+        rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"])
+        print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f} on {report['num_prompts']} held-out "
+              f"prompts ({report['prompt_source']}, {report['max_new_tokens']} new tokens, block {report['block_size']})")
+        print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
+        print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
+              f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
+        if report.get("greedy_mismatches"):
+            print(f"    WARNING: {report['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
+        curve = result["tau_curve"]
+        if curve:
+            print("    tau during training (min: tau): " + ", ".join(f"{m:.0f}: {t:.2f}" for m, t in
+                                                                  [(c[0], c[2]) for c in curve]))
+        print(f"    exported drafter: {result['export'] or 'export failed'}")
+        summary["drafters"][drafter_id] = {
+            "step": report["step"], "tau": report["tau"], "acceptance_rate": report["acceptance_rate"],
+            "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
+            "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
+        }
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    if offline:
+        print(f"  W&B offline run: {offline[-1]} (upload: wandb sync {offline[-1]})")
+    if plots:
+        print("  plots: " + ", ".join(str(p) for p in plots))
+    print(f"  run directory: {run_dir}")
+    summary["plots"] = [str(p) for p in plots]
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(run_dir / "summary.json")
+    bad = {k: v for k, v in codes.items() if v not in (0, -15)}
+    if bad:
+        print(f"quality: processes did not exit cleanly: {bad}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
