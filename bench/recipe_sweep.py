@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, init_logit_scale, make_drafter_config  # noqa: E402
+from common.dflash_model import DFlashDrafter, build_target_layer_ids, init_feature_scale, init_logit_scale, make_drafter_config  # noqa: E402
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
 from target_server.data import build_dataset, token_ranking  # noqa: E402
@@ -142,7 +142,11 @@ def main() -> int:
             ranked = ranking[: vcfg.draft_vocab_size]
             ranked += [t for t in range(loaded.vocab_size) if t not in set(ranked)][: vcfg.draft_vocab_size - len(ranked)]
             model.set_draft_vocab(ranked)
-        init_logit_scale(model, embed, head, vcfg.logit_std_init or 1.0, seed=vcfg.seed)
+        if vcfg.logit_std_init > 0:
+            init_logit_scale(model, embed, head, vcfg.logit_std_init, seed=vcfg.seed)
+        if vcfg.feature_scale_init:
+            f0, _, _, l0 = next(batches(ds.train, feats, random.Random(vcfg.seed + 1), 8))
+            init_feature_scale(model, f0, l0)
         gen = torch.Generator().manual_seed(vcfg.seed)
         trainer = DrafterTrainer(vcfg, model, make_optimizer(vcfg, model), gen, 0)
         data = batches(ds.train, feats, random.Random(vcfg.seed), args.seqs)

@@ -64,6 +64,7 @@ __all__ = [
     "build_target_layer_ids",
     "dflash_block_loss",
     "expected_acceptance_length",
+    "init_feature_scale",
     "init_logit_scale",
     "lm_head_loss",
     "load_drafter",
@@ -582,11 +583,33 @@ def init_logit_scale(
     drafter.eval()
     hidden = drafter(features, noise, positions)[:, 1:]
     drafter.train(was_training)
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).to(lm_head_weight.dtype), lm_head_weight.to(device))
+    head, _, _ = drafter.head_and_labels(lm_head_weight.to(device))
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]).to(head.dtype), head)
     measured = float(logits.float().std(dim=-1).mean())  # a host read, once, before training
     factor = logit_std / max(measured, 1e-12)
     drafter.norm.weight.mul_(factor)
     return factor
+
+
+@torch.no_grad()
+def init_feature_scale(drafter: DFlashDrafter, features: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Divide each input column of the fresh drafter's ``fc`` by that feature's RMS in a real batch.
+
+    Target hidden states carry a few "massive activation" dimensions (SmolLM2: dims 507 and 247
+    reach 200-400 while the median dimension is 2-12, and position 0, the attention sink, has an
+    RMS near 800), and deeper captured layers are larger than shallow ones. Through a random
+    ``fc`` those few dimensions dominate every position's context vector after ``hidden_norm``,
+    so at first all positions look alike to the drafter's attention. Scaling the columns makes
+    every feature dimension start with an equal share; ``hidden_norm`` follows, so the overall
+    scale does not matter. Position 0 and padding are left out of the statistics.
+    """
+    bsz, seq, _ = features.shape
+    pos = torch.arange(seq, device=features.device)
+    real = ((pos[None, :] >= 1) & (pos[None, :] < lengths.to(features.device)[:, None])).float()
+    # Masked mean of squares: no data-dependent shape, so no host sync on a GPU.
+    sq = torch.einsum("bt,btf->f", real, features.float().pow(2)) / real.sum().clamp(min=1.0)
+    rms = sq.sqrt().clamp(min=1e-6)
+    drafter.fc.weight.div_((rms / rms.mean()).to(drafter.fc.weight.dtype))
 
 
 class DraftContextCache:

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--train-minutes", type=float, default=44.0,
                         help="stop training after this long even if the plan is not finished (default 44)")
-    parser.add_argument("--eval-every-s", type=float, default=30.0, help="how often the watcher looks for a new checkpoint")
+    parser.add_argument("--eval-every-s", type=float, default=240.0,
+                        help="how often the watcher evaluates the newest checkpoint (each evaluation takes CPU from training)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the final evaluation")
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             print(f"  {drafter_id}: no final evaluation")
             continue
-        rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"])
+        rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
         print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f} on {report['num_prompts']} held-out "
               f"prompts ({report['prompt_source']}, {report['max_new_tokens']} new tokens, block {report['block_size']})")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")

@@ -153,8 +153,12 @@ class Ledger:
     def resumed(self, from_step: int) -> None:
         self._append([{"kind": "resume", "from_step": from_step, "time": time.time()}])
 
-    def trained(self, step: int, batch_id: int, epoch: int, sample_ids: list[int]) -> None:
-        self._pending.append({"kind": "step", "step": step, "batch_id": batch_id, "epoch": epoch, "sample_ids": sample_ids})
+    def trained(self, step: int, batch_id: int, epoch: int, sample_ids: list[int], first_step: int | None = None) -> None:
+        """Batch ``batch_id`` was trained by steps ``first_step..step`` (one step unless drafter.steps_per_batch > 1)."""
+        entry = {"kind": "step", "step": step, "batch_id": batch_id, "epoch": epoch, "sample_ids": sample_ids}
+        if first_step is not None and first_step != step:
+            entry["first_step"] = first_step
+        self._pending.append(entry)
 
     def make_durable(self) -> None:
         """Write the pending steps; call right before the checkpoint that covers them is renamed into place."""
@@ -199,7 +203,8 @@ def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
     final_step = store.read_state(latest).step
     lineage = read_lineage(run_dir / "ledger" / f"{drafter_id}.jsonl", final_step)
     problems = []
-    missing = sorted(set(range(1, final_step + 1)) - set(lineage))
+    covered = {s for last, e in lineage.items() for s in range(e.get("first_step", last), last + 1)}
+    missing = sorted(set(range(1, final_step + 1)) - covered)
     if missing:
         problems.append(f"durable steps missing from the ledger: {missing[:10]}")
     batch_ids = [e["batch_id"] for e in lineage.values()]

@@ -27,7 +27,7 @@ import zmq
 
 from common import protocol as P
 from common.config import Config
-from common.dflash_model import DFlashDrafter, init_logit_scale, make_drafter_config
+from common.dflash_model import DFlashDrafter, init_feature_scale, init_logit_scale, make_drafter_config
 from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
@@ -130,6 +130,11 @@ def _check_slot_kept(ring: ShmRing, meta: P.Batch) -> None:
         )
 
 
+def _crossed(before: int, after: int, every: int) -> bool:
+    """A multiple of ``every`` lies in (before, after]: a batch of several steps passed a period boundary."""
+    return after // every > before // every
+
+
 @dataclass
 class _Window:
     """Host-side values of the current metrics window."""
@@ -166,6 +171,7 @@ class DrafterWorker:
         self._embed: torch.Tensor | None = None
         self._warmed_up = False
         self._fresh_model = False  # built this run (not resumed): its logit scale is set once the LM head arrives
+        self._scale_features = False  # a fresh model's fc is scaled on its first batch (drafter.feature_scale_init)
         self._head: torch.Tensor | None = None
         self._window = _Window()
         self._window_host: tuple[_Window, int, float] | None = None
@@ -238,12 +244,14 @@ class DrafterWorker:
                     local_host=local_address_towards(welcome.store_host),
                 )
                 self._receive_weights(pair, welcome)
-            if self._fresh_model:
+            if self._fresh_model and self.dcfg.logit_std_init > 0:
                 factor = init_logit_scale(self.trainer.model, self._embed, self._head,
-                                          self.dcfg.logit_std_init or 1.0, seed=self.dcfg.seed)
-                self._fresh_model = False
+                                          self.dcfg.logit_std_init, seed=self.dcfg.seed)
                 logger.info("[model] final norm scaled by %.4f: initial draft logits have std %.2f over the vocabulary",
-                            factor, self.dcfg.logit_std_init or 1.0)
+                            factor, self.dcfg.logit_std_init)
+            if self._fresh_model and self.dcfg.feature_scale_init:
+                self._scale_features = True  # from the first batch's features
+            self._fresh_model = False
             receiver = Receiver(pair, ring, self.cfg.transport.timeout_s, self.device)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
@@ -388,11 +396,13 @@ class DrafterWorker:
         """The plan length the target announced sets the schedule when max_steps is 0."""
         if welcome.plan_batches < 0:
             raise TargetUnavailable(f"target announced a negative plan length ({welcome.plan_batches})")
-        if welcome.plan_batches != self.trainer.plan_steps:
-            self.trainer.plan_steps = welcome.plan_batches
+        plan_steps = welcome.plan_batches * self.dcfg.steps_per_batch
+        if plan_steps != self.trainer.plan_steps:
+            self.trainer.plan_steps = plan_steps
             if not (self.dcfg.max_steps or self.dcfg.decay_steps):
-                logger.info("[schedule] learning rate: warm-up %d, cosine over the plan's %s batches",
-                            self.dcfg.warmup_steps, welcome.plan_batches or "unlimited (constant after warm-up)")
+                logger.info("[schedule] learning rate: warm-up %d, cosine over the plan's %s batches x %d steps each",
+                            self.dcfg.warmup_steps, welcome.plan_batches or "unlimited (constant after warm-up)",
+                            self.dcfg.steps_per_batch)
 
     def _receive_weights(self, pair: PairGroup, welcome: P.Welcome) -> None:
         layout = WeightsLayout(welcome.vocab_size, welcome.hidden_size, welcome.embed_tied, dtype_from_name(welcome.dtype))
@@ -500,7 +510,17 @@ class DrafterWorker:
             features, input_ids, loss_mask, lengths = layouts[meta.bucket].views(buf)
             start = time.perf_counter()
             wait_current(self.device, ready_event)  # device-side: the receive's stream filled buf
-            lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
+            if self._scale_features:
+                init_feature_scale(trainer.model, features, lengths)
+                self._scale_features = False
+                logger.info("[model] fc columns scaled by 1/RMS of each feature dimension of the first batch")
+            first_step = trainer.step + 1
+            # steps_per_batch optimizer steps, each on freshly sampled anchors (never past max_steps).
+            steps = self.dcfg.steps_per_batch
+            if self.dcfg.max_steps:
+                steps = max(1, min(steps, self.dcfg.max_steps - trainer.step))
+            for _ in range(steps):
+                lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
             compute_s = time.perf_counter() - start
             if in_place:
                 # Only if the target dropped us mid-step (and its grace period ran out): the step
@@ -518,16 +538,16 @@ class DrafterWorker:
             self.state.coverage.add(meta.batch_id)
             self.state.step = trainer.step
             self.state.tokens_trained += meta.num_tokens
-            self.ledger.trained(trainer.step, meta.batch_id, meta.epoch, meta.sample_ids)
+            self.ledger.trained(trainer.step, meta.batch_id, meta.epoch, meta.sample_ids, first_step=first_step)
             pending_ack.append(meta.batch_id)
-            self._account(meta, lr, wait_s, compute_s)
-            if trainer.step % self.dcfg.checkpoint_every_steps == 0:
+            self._account(meta, lr, wait_s, compute_s, first_step - 1)
+            if _crossed(first_step - 1, trainer.step, self.dcfg.checkpoint_every_steps):
                 self._checkpoint()
             sock.send(P.Ack(batch_ids=pending_ack, step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
             pending_ack = []
             # Keep (in flight + unused credits) at the configured credits, but never ask past max_steps.
             granted = inflight + inflight_credits
-            past_budget = self.dcfg.max_steps and trainer.step + granted >= self.dcfg.max_steps
+            past_budget = self.dcfg.max_steps and trainer.step + granted * self.dcfg.steps_per_batch >= self.dcfg.max_steps
             if not past_budget and granted < self.dcfg.credits:
                 sock.send(P.Request(credits=1).encode())
                 inflight_credits += 1
@@ -548,15 +568,15 @@ class DrafterWorker:
         logger.info("[checkpoint] drafter %s: step %d -> %s", self.dcfg.id, trainer.step, path)
 
     # ---------------------------------------------------------------- metrics
-    def _account(self, meta: P.Batch, lr: float, wait_s: float, compute_s: float) -> None:
+    def _account(self, meta: P.Batch, lr: float, wait_s: float, compute_s: float, step_before: int) -> None:
         w = self._window
         w.tokens += meta.num_tokens
         w.samples += len(meta.sample_ids)
         w.wait_s += wait_s
         w.compute_s += compute_s
-        w.steps += 1
+        w.steps += self.trainer.step - step_before
         trainer = self.trainer
-        if trainer.step % self.cfg.metrics.log_every_steps == 0 and trainer.metrics.snapshot():
+        if _crossed(step_before, trainer.step, self.cfg.metrics.log_every_steps) and trainer.metrics.snapshot():
             self._window_host = (w, trainer.step, lr)
             self._window = _Window()
         self._flush_metrics()

@@ -10,7 +10,7 @@ import torch
 
 from common.config import DrafterConfig
 from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
-from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState, read_lineage
+from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState, read_lineage, verify_lineage
 from drafter_worker.trainer import make_optimizer
 
 HIDDEN = 32
@@ -307,3 +307,26 @@ def test_make_durable_without_pending_writes_nothing(tmp_path):
     ledger.resumed(0)
     ledger.make_durable()
     assert len(ledger.path.read_text().splitlines()) == 1
+
+
+def test_lineage_with_several_steps_per_batch(tmp_path):
+    # drafter.steps_per_batch = 3: each batch is one ledger entry covering three steps.
+    run_dir = tmp_path
+    cfg = DrafterConfig()
+    model = tiny_drafter()
+    optimizer = make_optimizer(cfg, model)
+    store = CheckpointStore(run_dir, "d0", keep=2)
+    ledger = Ledger(run_dir, "d0")
+    ledger.resumed(0)
+    for batch in range(4):
+        ledger.trained(3 * batch + 3, batch, 0, [batch], first_step=3 * batch + 1)
+    ledger.make_durable()
+    store.save(state(12), model, optimizer, torch.Generator().manual_seed(0))
+    report = verify_lineage(run_dir, "d0")
+    assert report.ok, report.problems
+    assert report.batches == 4 and report.final_step == 12
+    # A step no entry covers is reported.
+    ledger.trained(14, 9, 0, [9])
+    ledger.make_durable()
+    store.save(state(14), model, optimizer, torch.Generator().manual_seed(0))
+    assert "missing" in " ".join(verify_lineage(run_dir, "d0").problems)

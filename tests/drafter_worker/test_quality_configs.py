@@ -1,0 +1,49 @@
+"""The quality recipe's configs validate and its shipped data is usable as the target reads it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from tools.prompts import build_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["quality.toml", "quality-gpu.toml"])
+def test_recipe_configs_validate(name):
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.data.source == "data/regen-smollm2.jsonl"
+    assert cfg.drafter.max_steps == 0 and cfg.data.num_epochs > 0  # the schedule spans the plan
+    assert cfg.target.feature_cache_gb > 0
+    assert cfg.data.heldout_fraction > 0  # the evaluation's prompts are never trained on
+
+
+def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():
+    from target_server.data import build_dataset, load_conversations
+    from tests.tiny_target import _smollm2_tokenizer
+
+    cfg = load_config(REPO / "configs" / "quality.toml")
+    path = REPO / cfg.data.source
+    conversations = load_conversations(str(path), seed=0)
+    assert len(conversations) >= 1000
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    prompts = (REPO / "data" / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    # Every answer belongs to the prompt on its line of the shipped prompt set.
+    for record in records[:50]:
+        assert record["messages"][0]["content"] == json.loads(prompts[record["prompt_line"] - 1])["prompt"]
+    dataset = build_dataset(_smollm2_tokenizer(), str(path), max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+                            heldout_fraction=cfg.data.heldout_fraction, max_samples=20)
+    assert len(dataset.train) == 20 and len(dataset.heldout) >= 16
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the prompt set is derived from Python 3.11's module list and reference text")
+def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
+    prompts = build_prompts(seed=0)
+    assert len(prompts) == len(set(prompts)) > 2000
+    shipped = [json.loads(line)["prompt"] for line in (REPO / "data" / "prompts.jsonl").read_text().splitlines()]
+    assert shipped == prompts
