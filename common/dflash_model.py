@@ -607,9 +607,10 @@ def init_feature_scale(drafter: DFlashDrafter, features: torch.Tensor, lengths: 
     pos = torch.arange(seq, device=features.device)
     real = ((pos[None, :] >= 1) & (pos[None, :] < lengths.to(features.device)[:, None])).float()
     # Masked mean of squares: no data-dependent shape, so no host sync on a GPU.
-    sq = torch.einsum("bt,btf->f", real, features.float().pow(2)) / real.sum().clamp(min=1.0)
+    finite = torch.nan_to_num(features.float(), nan=0.0, posinf=0.0, neginf=0.0)  # a broken target: leave fc as is
+    sq = torch.einsum("bt,btf->f", real, finite.pow(2)) / real.sum().clamp(min=1.0)
     rms = sq.sqrt().clamp(min=1e-6)
-    drafter.fc.weight.div_((rms / rms.mean()).to(drafter.fc.weight.dtype))
+    drafter.fc.weight.div_((rms / rms.mean()).clamp(min=1e-3).to(drafter.fc.weight.dtype))
 
 
 class DraftContextCache:

@@ -184,7 +184,8 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
     Plain Python on host floats: no tensors, so nothing here can touch a device
     (and the CPU sync guard has nothing to flag).
     """
-    steps = max(values["finite_steps"][0], 1.0)
+    finite_steps = values["finite_steps"][0]
+    steps = max(finite_steps, 1.0)
     acc = [c / max(n, 1.0) for c, n in zip(values["correct"], values["count"])]
     # EAL = sum_k prod_{i<=k} acc_i over the draft slots (as expected_acceptance_length).
     eal, run = 0.0, 1.0
@@ -201,6 +202,9 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
         "nonfinite_steps": values["steps"][0] - values["finite_steps"][0],
         "nonfinite_streak": values["nonfinite_streak_max"][0],
     }
+    if finite_steps == 0:  # no finite step in the window: no loss or norm to report (not a 0)
+        for key in ("loss", "grad_norm", "grad_norm_max"):
+            del out[key]
     for k in range(1, len(acc)):
         out[f"acc/pos_{k}"] = acc[k]
     return out

@@ -589,15 +589,18 @@ class DrafterWorker:
             return
         w, step, lr = self._window_host
         self._window_host = None
-        elapsed = max(time.monotonic() - w.start, 1e-9)
         record = summarize(values)
         streak = record.pop("nonfinite_streak")
+        self._send_record(record, w, step, lr)
         if streak >= MAX_NONFINITE_STREAK:
             raise NonFiniteTraining(
                 f"drafter {self.dcfg.id}: {int(streak)} steps in a row had a non-finite loss or gradient norm "
                 f"(none of them changed the weights); stopping at step {self.trainer.step}, the last checkpoint "
                 f"is step {self._checkpoint_step}. Lower drafter.learning_rate or check the target's features."
             )
+
+    def _send_record(self, record: dict, w: _Window, step: int, lr: float) -> None:
+        elapsed = max(time.monotonic() - w.start, 1e-9)
         record.update({
             "lr": lr,
             "tokens_per_s": w.tokens / elapsed,

@@ -13,7 +13,9 @@ from pathlib import Path
 from tests.conftest import ROOT, free_ports
 
 
-def write_config(tmp: Path, model: str, *, drafters: dict[str, dict], extra: str = "") -> Path:
+def write_config(tmp: Path, model: str, *, drafters: dict[str, dict], extra: str = "",
+                 sections: dict[str, list[str]] | None = None) -> Path:
+    """The job config of an integration test; ``sections`` adds ``key = value`` lines to a table."""
     control, store, metrics = free_ports(3)
     lines = [
         "[run]", 'name = "it"', f'root_dir = "{tmp / "runs"}"',
@@ -26,6 +28,9 @@ def write_config(tmp: Path, model: str, *, drafters: dict[str, dict], extra: str
         "[drafter]", "block_size = 8", "anchors_per_sequence = 3", "threads = 1", "checkpoint_every_steps = 4",
         "warmup_steps = 2", "max_steps = 0",
     ]
+    for section, more in (sections or {}).items():
+        at = lines.index(f"[{section}]") + 1
+        lines[at:at] = more
     for drafter_id, values in drafters.items():
         lines.append(f"[drafters.{drafter_id}]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]

@@ -35,6 +35,9 @@ def test_demo_launcher_trains_two_drafters_on_smollm2(tmp_path):
     out = result.stdout
     assert "drafter/d0: steps=6" in out and "drafter/d1: steps=6" in out, out
     assert "wandb sync" in out
+    # The summary tells the truth about quality: tau measured with the target, next to the EAL proxy.
+    for drafter in ("d0", "d1"):
+        assert f"drafter/{drafter}: measured tau" in out and "EAL proxy" in out, out
     run_dir = tmp_path / "demo"
     for drafter in ("d0", "d1"):
         assert (run_dir / "checkpoints" / drafter / "step-6" / "model.safetensors").exists()

@@ -1,0 +1,82 @@
+"""The recipe's pipeline features as real processes: feature cache, steps per batch, schedule over the
+plan, and the non-finite stop (exit code 3)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from drafter_worker.checkpoint import verify_lineage
+from tests.integration.harness import Job, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, tiny_llama_dir):
+    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"steps_per_batch": 3, "draft_vocab_size": 512}},
+                          sections={"target": ["feature_cache_gb = 1.0"], "data": ["num_epochs = 2"]})
+    config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 24"))
+    run_dir = tmp_path / "runs" / "it"
+    with Job(config, run_dir) as job:
+        job.start("metrics", "metrics_sidecar")
+        job.start("target", "target_server")
+        job.start("d0", "drafter_worker", "--id", "d0")
+        assert job.procs["d0"].wait(180) == 0, job.all_consoles()  # DONE after the plan's two epochs
+        codes = {name: job.terminate(name, timeout_s=40) for name in ("target", "metrics")}
+        assert codes == {"target": 0, "metrics": 0}, job.all_consoles()
+    log = (run_dir / "logs" / "target.log").read_text()
+    assert "plan:" in log
+    target = [r["values"] for r in job.metrics() if r["source"] == "target"]
+    assert max(v["cache_hit_frac"] for v in target) > 0, "the second epoch was not served from the cache"
+    assert max(v["feature_cache_gb"] for v in target) > 0
+    drafter_log = (run_dir / "logs" / "drafter-d0.log").read_text()
+    assert "cosine over the plan's" in drafter_log and "x 3 steps each" in drafter_log
+    # Every batch of both epochs trained three steps; the ledger accounts for every step once.
+    report = verify_lineage(run_dir, "d0")
+    assert report.ok, report.problems
+    assert report.final_step == 3 * report.batches
+    assert sorted(report.samples_per_epoch) == [0, 1]
+    lrs = [r["values"]["lr"] for r in job.metrics() if r["source"] == "drafter/d0"]
+    assert lrs[-1] < 0.5 * max(lrs)  # the schedule decayed over the plan although max_steps = 0
+    state = json.loads((run_dir / "checkpoints" / "d0" / (run_dir / "checkpoints" / "d0" / "latest").read_text().strip()
+                        / "trainer_state.json").read_text())
+    assert state["step"] == report.final_step
+
+
+def poisoned_target(source: Path, out: Path) -> Path:
+    """A copy of the tiny target whose first layer outputs inf: every captured feature is non-finite."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(source, out)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.fill_(float("inf"))
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_drafter_whose_steps_are_all_non_finite_stops_with_exit_code_3(tmp_path, tiny_llama_dir):
+    # A target that sends non-finite features: no step changes anything, and ten in a row stop the drafter.
+    target = poisoned_target(tiny_llama_dir, tmp_path / "poisoned")
+    config = write_config(tmp_path, str(target), drafters={"d0": {"checkpoint_every_steps": 1000}})
+    run_dir = tmp_path / "runs" / "it"
+    with Job(config, run_dir) as job:
+        job.start("metrics", "metrics_sidecar")
+        job.start("target", "target_server")
+        job.start("d0", "drafter_worker", "--id", "d0")
+        code = job.procs["d0"].wait(150)
+        assert code == 3, job.all_consoles()
+    log = (run_dir / "logs" / "drafter-d0.log").read_text()
+    assert "steps in a row had a non-finite loss or gradient norm" in log
+    nonfinite = [r["values"].get("nonfinite_steps", 0) for r in job.metrics() if r["source"] == "drafter/d0"]
+    assert sum(nonfinite) >= 8, nonfinite
+    # Windows without a finite step report no loss rather than a made-up one.
+    assert all(math.isfinite(r["values"].get("loss", 0.0)) for r in job.metrics() if r["source"] == "drafter/d0")
+    # Nothing was checkpointed from those steps.
+    assert not (run_dir / "checkpoints" / "d0" / "latest").exists()
