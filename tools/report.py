@@ -164,12 +164,13 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         fig.suptitle(f"measured speculative decoding ({run_dir.name})")
         for drafter_id, series in evaluated.items():
-            for ax, key in ((axes[0], "eval/tau"), (axes[1], "eval/speedup")):
+            for ax, key, label in ((axes[0], "eval/tau", drafter_id), (axes[1], "eval/accept/pos_1", f"{drafter_id} pos 1"),
+                                   (axes[1], "eval/accept/pos_2", f"{drafter_id} pos 2")):
                 times, values = series.by_time(key, t0)
                 if times:
-                    ax.plot([t / 60.0 for t in times], values, marker=".", label=drafter_id)
+                    ax.plot([t / 60.0 for t in times], values, marker=".", label=label)
         _axes(axes[0], "tau (tokens per draft-and-verify step)", "minutes since the first record", legend=True)
-        _axes(axes[1], "speed-up vs plain greedy (when measured)", "minutes since the first record", legend=True)
+        _axes(axes[1], "acceptance rate by block position", "minutes since the first record", legend=True)
         save(fig, "eval.png")
 
     if "target" in sources:

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 
 import pytest
@@ -122,9 +121,15 @@ def test_live_target_lists_both_drafters(tmp_path, tiny_llama_dir):
         # --watch keeps refreshing until interrupted, then exits 0.
         watch = subprocess.Popen(_status_cmd("--config", str(config), "--watch", "0.5"), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        time.sleep(3.0)
+        # Interrupt once it has refreshed twice (a fixed sleep can land before its start-up ends on a busy machine).
+        seen = []
+        for line in watch.stdout:
+            seen.append(line)
+            if sum("refreshed" in x for x in seen) >= 2:
+                break
         watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
+        rest, err = watch.communicate(timeout=30)
+        out = "".join(seen) + rest
         assert watch.returncode == 0, err
         assert out.count("refreshed") >= 2 and out.count("dflash status") >= 2
         assert "Traceback" not in err
