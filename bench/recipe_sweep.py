@@ -4,12 +4,13 @@
         --variant base: --variant bs16:drafter.block_size=16 --variant lr3e-3:drafter.learning_rate=3e-3
 
 The target captures the features of the first ``--samples`` training samples
-once (kept in memory); each variant then trains a fresh drafter on them for
-the same wall-clock budget, in the drafter's real training step
-(``DrafterTrainer``: anchors, loss, fused AdamW, schedule over the budget's
-steps as measured by the first variant... each variant's own pace), and is evaluated
-with real speculative decoding against the target on held-out prompts. This
-is what ``docs/recipe.md``'s table of settings was measured with; the recipe
+once (kept on disk under ``--feature-dir`` for later runs); each variant then
+trains a fresh drafter on them for the same wall-clock budget, in the
+drafter's real training step (``DrafterTrainer``: anchors, loss, fused AdamW;
+the cosine spans the steps the budget allows at the variant's own pace,
+estimated from its first steps), and is evaluated with real speculative
+decoding against the target on held-out prompts, plain greedy timed side by
+side. ``docs/recipe.md``'s table of settings was measured with it; the recipe
 itself then runs in the real pipeline (``make quality``).
 """
 
