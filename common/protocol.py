@@ -117,6 +117,11 @@ class Welcome(Message):
     # Token ids of the training answers, most frequent first (at most TOKEN_RANKING_MAX):
     # a drafter with drafter.draft_vocab_size = K scores the first K.
     token_ranking: list[int] = optional(default_factory=list)
+    # Samples in the training split (BATCH.sample_ids index it): the ledger's completeness check.
+    train_samples: int = optional(0)
+    # Content hash of the tokenized training set, tokenizer and chat template
+    # (target_server.data.fingerprint): a checkpoint made on other data refuses to resume.
+    data_fingerprint: str = optional("")
 
 
 @dataclass

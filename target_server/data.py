@@ -340,6 +340,23 @@ def token_ranking(samples: Sequence[Sample], vocab_size: int, limit: int) -> lis
     return order[: min(present, limit)].tolist()
 
 
+def fingerprint(dataset: Dataset, tokenizer: Any) -> str:
+    """Content hash of the training split (token ids, loss masks, order), the tokenizer and its chat template.
+
+    Batch indices in ledgers and checkpoints mean something only for the same
+    tokenized data: editing the JSONL, the tokenizer or the template changes it.
+    """
+    digest = hashlib.sha256()
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    digest.update(json.dumps(sorted(vocab.items()), separators=(",", ":")).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    for sample in dataset.train:
+        digest.update(len(sample).to_bytes(4, "little"))
+        digest.update(sample.input_ids.numpy().tobytes())
+        digest.update(sample.loss_mask.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
 def build_dataset(
     tokenizer: Any,
     source: str,

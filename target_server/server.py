@@ -36,7 +36,7 @@ from common.streams import SideStream
 from common.transport import TransportError, host_store, local_address_towards
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
-from target_server.data import build_dataset, token_ranking
+from target_server.data import build_dataset, fingerprint, token_ranking
 from target_server.feature_cache import FeatureCache
 from target_server.link import DrafterLink, LinkEvent
 from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
@@ -160,6 +160,8 @@ class TargetServer:
             heldout_fraction=cfg.data.heldout_fraction, max_samples=cfg.data.max_samples,
         )
         self.token_ranking = token_ranking(self.dataset.train, loaded.vocab_size, P.TOKEN_RANKING_MAX)
+        self.data_fingerprint = fingerprint(self.dataset, loaded.tokenizer)
+        logger.info("[data] fingerprint %s (token ids, masks, tokenizer, chat template)", self.data_fingerprint)
         self.spec = BucketSpec(tuple(cfg.data.bucket_lengths), cfg.data.tokens_per_batch)
         self.plan = BatchPlan(self.dataset.train_lengths(), self.spec, cfg.data.seed)
         total = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
@@ -475,6 +477,8 @@ class TargetServer:
             plan_batches=self.scheduler.total_batches or 0,
             token_ranking=self.token_ranking,
             batches_per_epoch=self.plan.batches_per_epoch,
+            train_samples=len(self.dataset.train),
+            data_fingerprint=self.data_fingerprint,
             **shm,
         ))
         logger.info(

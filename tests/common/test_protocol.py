@@ -27,6 +27,7 @@ SAMPLES: dict[str, P.Message] = {
         pair_prefix="pair/d0/3", registration_epoch=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0,
         shm_name="dflash.42.ring.d0.3", shm_slot_bytes=[1024, 2048, 4096], shm_slots_per_bucket=4,
         shm_weights_name="dflash.42.weights", plan_batches=300, batches_per_epoch=100, token_ranking=[5, 3, 9],
+        train_samples=1000, data_fingerprint="ab" * 16,
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
@@ -97,7 +98,8 @@ def test_encode_is_plain_msgpack(name):
 # so a peer built before them still decodes it.
 @pytest.mark.parametrize("name,added", [
     ("BATCH", {"slot"}), ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name",
-                                     "plan_batches", "batches_per_epoch", "token_ranking"}),
+                                     "plan_batches", "batches_per_epoch", "token_ranking",
+                                     "train_samples", "data_fingerprint"}),
 ])
 def test_fields_added_later_are_left_out_at_their_defaults(name, added):
     msg = dataclasses.replace(SAMPLES[name], **{f.name: f.default if f.default is not dataclasses.MISSING
