@@ -83,7 +83,7 @@ bench-metrics: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
-## make soak [SOAK_MINUTES=10]: run the job, restart a random drafter every minute, report memory and the ledger
+## make soak [SOAK_MINUTES=10]: run the job, kill and restart a random process every minute; check exit codes, memory and the ledgers
 SOAK_MINUTES ?= 10
 soak: $(STAMP)
 	$(PY) deploy/soak.py --config $(CONFIG) --minutes $(SOAK_MINUTES)

@@ -61,6 +61,7 @@ class ControlConfig:
     reconnect_backoff_max_s: float = _doc("cap of the exponential backoff while the target is away", 5.0)
     max_message_bytes: int = _doc("control frames larger than this are refused", 1 << 20)
     max_drafters: int = _doc("registrations the target accepts at once (bounds what a HELLO flood can hold)", 64)
+    ack_timeout_s: float = _doc("a registration holding batches this long without acknowledging any is dropped (they go to another drafter)", 900.0)
 
     def __post_init__(self) -> None:
         _require(self.address.startswith(("tcp://", "ipc://")), "control.address", "must start with tcp:// or ipc://", self.address)
@@ -74,12 +75,14 @@ class ControlConfig:
         )
         _require(self.handshake_timeout_s > 0, "control.handshake_timeout_s", "must be > 0", self.handshake_timeout_s)
         _require(self.max_drafters >= 1, "control.max_drafters", "must be >= 1", self.max_drafters)
+        _require(self.ack_timeout_s > self.heartbeat_timeout_s, "control.ack_timeout_s", "must exceed control.heartbeat_timeout_s", self.ack_timeout_s)
         _require(self.max_message_bytes >= 4096, "control.max_message_bytes", "must be >= 4096", self.max_message_bytes)
 
 
 @dataclass
 class SecurityConfig:
     curve_dir: str = _doc("directory of ZeroMQ CURVE keys (python -m common.sockets keys DIR); required to bind non-loopback addresses", "")
+    curve_client: str = _doc("name of this host's client key in curve_dir (python -m common.sockets add-client DIR NAME)", "client")
 
     def __post_init__(self) -> None:
         if self.curve_dir:
@@ -130,7 +133,7 @@ class TargetConfig:
     threads: int = _doc("torch CPU threads for the target; 0 keeps torch's default", 0)
     ready_batches: int = _doc("captured-batch buffers per length bucket (how far the target may run ahead)", 3)
     feature_cache_gb: float = _doc("keep each training sample's captured features (on target.device) up to this many GB, so later epochs run no target forward; 0 = off", 0.0)
-    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds or exit hard", 30.0)
+    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds or exit hard (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "target.model", "must be set", self.model)
@@ -193,7 +196,7 @@ class DrafterConfig:
     checkpoint_every_steps: int = _doc("checkpoint period in optimizer steps (also at shutdown)", 50)
     keep_checkpoints: int = _doc("how many step-N checkpoints to keep", 2)
     seed: int = _doc("seed of the drafter's initialisation and anchor sampling", 0)
-    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds", 30.0)
+    stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
 
     def __post_init__(self) -> None:
         _require(bool(self.id) and "/" not in self.id, "drafter.id", "must be a non-empty name without '/'", self.id)
@@ -232,6 +235,14 @@ class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+
+    def __post_init__(self) -> None:
+        # A stop must outlast the longest wait it cannot interrupt (pair formation, a receive),
+        # or the watchdog kills a process that was about to stop cleanly.
+        for section in ("target", "drafter"):
+            stop = getattr(self, section).stop_timeout_s
+            _require(stop >= self.transport.timeout_s + 10, f"{section}.stop_timeout_s",
+                     f"must be at least transport.timeout_s + 10 = {self.transport.timeout_s + 10:g}", stop)
 
     def shared_hash(self) -> str:
         """Hash of what target and drafters must agree on (data, captured layers, dtype)."""

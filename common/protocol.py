@@ -11,6 +11,7 @@ numbers, booleans and nil.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -19,6 +20,22 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 TOKEN_RANKING_MAX = 32768  # ids in WELCOME.token_ranking (about 100 KB of msgpack)
+
+# Value bounds, checked by decode() before a message reaches any state.
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # drafter ids and groups (also file names)
+MAX_INT = 1 << 53  # counters, steps, plan indices: far beyond any run, exact in every JSON reader
+MAX_PID = (1 << 22)  # Linux pid_max ceiling
+MAX_CREDITS = 64  # batches one registration may hold at once
+MAX_ACK_IDS = 1024  # a drafter ACKs at most its credits; room for several steps per ACK
+MAX_COVERED_EXTRA = 65536  # plan indices a checkpoint covers beyond its watermark
+MAX_COVERAGE_SPAN = 1 << 20  # how far past the watermark such an index may lie
+MAX_TEXT = 256  # hashes, transports, reasons, proofs
+MAX_ITEMS = MAX_COVERED_EXTRA  # longest list any message may hold: msgpack refuses longer ones unread
+# Largest frame of each type a drafter or operator may send, checked before decoding.
+INBOUND_BYTES = {
+    "HELLO": 16 * 1024 + 9 * MAX_COVERED_EXTRA, "REQUEST": 256, "ACK": 1024 + 9 * MAX_ACK_IDS,
+    "HEARTBEAT": 256, "BYE": 1024, "STATUS_REQUEST": 1024,
+}
 
 # Error codes carried by ERROR messages.
 E_MALFORMED = "malformed"
@@ -29,6 +46,8 @@ E_TRANSPORT = "transport_mismatch"
 E_STATE = "bad_state"
 E_TOO_LARGE = "too_large"
 E_BUSY = "busy"
+E_RANGE = "out_of_range"
+E_AUTH = "not_authorized"
 
 
 class ProtocolError(ValueError):
@@ -61,6 +80,9 @@ class Message:
                     del body[f.name]
         return msgpack.packb(body, use_bin_type=True)
 
+    def check_values(self) -> None:
+        """Raise ProtocolError(E_RANGE) when a well-typed field holds a value no honest peer sends."""
+
 
 @dataclass
 class Hello(Message):
@@ -77,6 +99,22 @@ class Hello(Message):
     covered_watermark: int = 0
     covered_extra: list[int] = field(default_factory=list)
     step: int = 0
+    # Proof that the sender holds the run's control key (common.auth): only the owner
+    # of a drafter id can register it, so a stranger cannot take over a live drafter.
+    auth: str = optional("")
+
+    def check_values(self) -> None:
+        for name in ("drafter_id", "group"):
+            _require(NAME.fullmatch(getattr(self, name)) is not None, f"HELLO.{name} must match {NAME.pattern}")
+        for name in ("config_hash", "transport", "auth"):
+            _require(len(getattr(self, name)) <= MAX_TEXT, f"HELLO.{name} is longer than {MAX_TEXT}")
+        _require(0 < self.pid < MAX_PID, f"HELLO.pid must be in (0, {MAX_PID})")
+        _require(0 <= self.step < MAX_INT, "HELLO.step must be >= 0")
+        _require(0 <= self.covered_watermark < MAX_INT, "HELLO.covered_watermark must be >= 0")
+        _require(len(self.covered_extra) <= MAX_COVERED_EXTRA, f"HELLO.covered_extra holds more than {MAX_COVERED_EXTRA}")
+        top = self.covered_watermark + MAX_COVERAGE_SPAN
+        _require(all(self.covered_watermark < i <= top for i in self.covered_extra),
+                 f"HELLO.covered_extra must lie in (covered_watermark, covered_watermark + {MAX_COVERAGE_SPAN}]")
 
 
 @dataclass
@@ -138,6 +176,9 @@ class Request(Message):
     TYPE: ClassVar[str] = "REQUEST"
     credits: int
 
+    def check_values(self) -> None:
+        _require(0 <= self.credits <= MAX_CREDITS, f"REQUEST.credits must be in [0, {MAX_CREDITS}]")
+
 
 @dataclass
 class Batch(Message):
@@ -167,17 +208,31 @@ class Ack(Message):
     step: int
     checkpoint_step: int
 
+    def check_values(self) -> None:
+        _require(len(self.batch_ids) <= MAX_ACK_IDS, f"ACK.batch_ids holds more than {MAX_ACK_IDS}")
+        _require(all(0 <= i < MAX_INT for i in self.batch_ids), "ACK.batch_ids must be >= 0")
+        _require(0 <= self.checkpoint_step <= self.step < MAX_INT, "ACK needs 0 <= checkpoint_step <= step")
+
 
 @dataclass
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "HEARTBEAT"
     step: int = 0
+    # Target -> drafter: seconds since the capture thread last made progress, when that
+    # exceeds transport.timeout_s (0 otherwise): a drafter treats it like a silent target.
+    capture_stalled_s: float = optional(0.0)
+
+    def check_values(self) -> None:
+        _require(0 <= self.step < MAX_INT, "HEARTBEAT.step must be >= 0")
 
 
 @dataclass
 class Bye(Message):
     TYPE: ClassVar[str] = "BYE"
     reason: str = ""
+
+    def check_values(self) -> None:
+        _require(len(self.reason) <= MAX_TEXT, f"BYE.reason is longer than {MAX_TEXT}")
 
 
 @dataclass
@@ -191,6 +246,11 @@ class Done(Message):
 @dataclass
 class StatusRequest(Message):
     TYPE: ClassVar[str] = "STATUS_REQUEST"
+    # Proof of the run's status key (common.auth): STATUS names drafters, pids and progress.
+    auth: str = optional("")
+
+    def check_values(self) -> None:
+        _require(len(self.auth) <= MAX_TEXT, f"STATUS_REQUEST.auth is longer than {MAX_TEXT}")
 
 
 @dataclass
@@ -252,8 +312,38 @@ def _check(value: Any, hint: Any) -> bool:
 _HINTS = {name: typing.get_type_hints(cls) for name, cls in MESSAGE_TYPES.items()}
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ProtocolError(E_RANGE, message)
+
+
+def peek_type(frame: bytes) -> str | None:
+    """The ``type`` of a frame whose first map key is ``type`` (as :meth:`Message.encode` writes it), else None.
+
+    Reads a few bytes only, so a server can refuse a frame too large for its type before decoding it.
+    """
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frame) or 1, max_str_len=64, max_bin_len=0,
+                                max_array_len=0, max_map_len=1 << 16, ext_hook=_refuse_ext)
+    unpacker.feed(frame)
+    try:
+        if unpacker.read_map_header() < 1 or unpacker.unpack() != "type":
+            return None
+        kind = unpacker.unpack()
+    except Exception:  # not a map, truncated, or the first value is not a short string
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def check_inbound_size(frame: bytes) -> None:
+    """Refuse a drafter/operator frame larger than its type can be (or than any such type, if it hides its type)."""
+    kind = peek_type(frame)
+    limit = INBOUND_BYTES.get(kind, max(INBOUND_BYTES.values())) if kind else max(INBOUND_BYTES.values())
+    if len(frame) > limit:
+        raise ProtocolError(E_TOO_LARGE, f"{kind or 'message'} of {len(frame)} bytes exceeds the limit of {limit}")
+
+
 def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
-    """Decode and validate one frame, or raise ProtocolError."""
+    """Decode and validate one frame (types, then values), or raise ProtocolError."""
     if len(frame) > max_bytes:
         raise ProtocolError(E_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
@@ -262,6 +352,9 @@ def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
             raw=False,
             strict_map_key=True,
             ext_hook=_refuse_ext,
+            # Lists longer than any message holds are refused at their header, before they are read.
+            max_array_len=max(MAX_ITEMS, TOKEN_RANKING_MAX),
+            max_map_len=4096,
         )
     except ProtocolError:
         raise
@@ -290,7 +383,9 @@ def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
             continue
         if not _check(body[name], hints[name]):
             raise ProtocolError(E_MALFORMED, f"{kind}.{name} has the wrong type ({type(body[name]).__name__})")
-    return cls(**body)
+    msg = cls(**body)
+    msg.check_values()
+    return msg
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

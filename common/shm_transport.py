@@ -34,6 +34,13 @@ process exits; plain files avoid that):
 - A segment appears under its final name only once it is sized and its
   header written (created under ``<name>.tmp``, then renamed), so an attacher
   never maps a half-built one.
+- A reader proves it is alive with an exclusive ``flock`` on a liveness file
+  (:class:`LivenessLock`, ``dflash-live.<ring>.<reader>.<epoch>``), taken before
+  it reads any slot and held until it closes the ring. The owner asks
+  :func:`holder_alive` before reusing slots the reader may still be on: the
+  kernel drops the lock when the reader dies, so this needs no pid (pids are
+  not visible across PID namespaces and get reused) and works wherever the two
+  share /dev/shm.
 - Its pages are reserved with ``posix_fallocate`` (:meth:`ShmRing.reserve`),
   so a /dev/shm too small for it (docker's default is 64 MiB) is a clear
   error instead of a SIGBUS at the first write past the limit.
@@ -65,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "dflash."
+LIVENESS_PREFIX = "dflash-live."
 _ALIGN = 64
 _HEADER = 64
 _MAGIC = 0x314D48534C464644  # b"DFLFSHM1" little-endian
@@ -128,17 +136,18 @@ def unlink_segment(name: str) -> bool:
 
 
 def sweep_stale(shm_dir: Path | None = None) -> list[str]:
-    """Unlink ``dflash.*`` segments whose creator is gone (nobody holds their lock); returns their names.
+    """Unlink segments and liveness files whose holder is gone (nobody holds their lock); returns their names.
 
-    A segment of a live creator is locked and kept, so this is safe to run while
-    other targets on the host are serving. Another user's segments are skipped.
+    A segment of a live creator (a liveness file of a live reader) is locked and
+    kept, so this is safe to run while other targets on the host are serving.
+    Another user's files are skipped.
     """
     directory = shm_dir or SHM_DIR
     removed: list[str] = []
     if not directory.is_dir():
         return removed
     for entry in sorted(directory.iterdir()):
-        if not entry.name.startswith(SEGMENT_PREFIX):
+        if not entry.name.startswith((SEGMENT_PREFIX, LIVENESS_PREFIX)):
             continue
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
@@ -163,6 +172,117 @@ def sweep_stale(shm_dir: Path | None = None) -> list[str]:
     return removed
 
 
+def liveness_name(ring_name: str, reader_id: str, epoch: int) -> str:
+    """The liveness file of one reader registration of ring ``ring_name``; ValueError for an unsafe part.
+
+    Built from values both sides know (WELCOME's ring name, the drafter id and
+    registration epoch), so no message carries it.
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"liveness epoch must be a non-negative int, got {epoch!r}")
+    for part in (ring_name, reader_id):
+        _path(part)  # a safe file name on its own: no '/', not '.' or '..'
+    name = f"{LIVENESS_PREFIX}{ring_name}.{reader_id}.{epoch}"
+    _path(name)
+    return name
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _try_lock(path: Path) -> int | None:
+    """A descriptor of ``path`` (created 0600 if missing) holding its exclusive lock, or None
+    when someone else holds the lock or the file was unlinked before we locked it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise TransportError(f"liveness file {path} belongs to another user; remove it or pick another drafter id")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        if not _same_file(path, fd):  # a sweep unlinked it between our open and our lock
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class LivenessLock:
+    """A reader's proof of life: an exclusive ``flock`` on its liveness file, held until :meth:`release`.
+
+    The kernel drops the lock when the process dies (SIGKILL included), in
+    whatever PID namespace it runs; :func:`holder_alive` is the owner's check.
+    """
+
+    def __init__(self, name: str, fd: int) -> None:
+        self.name = name
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, name: str, timeout_s: float = 1.0) -> "LivenessLock":
+        """Create (or reuse) the file and lock it. Waits ``timeout_s`` at most: the owner's
+        check and a sweep hold the lock for microseconds, a second live reader for good."""
+        path = _path(name)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fd = _try_lock(path)
+            except OSError as exc:
+                raise TransportError(f"cannot create the liveness file {path}: {exc}") from None
+            if fd is not None:
+                return cls(name, fd)
+            if time.monotonic() >= deadline:
+                raise TransportError(
+                    f"liveness file {path} is locked by another process: is this drafter running twice?"
+                )
+            time.sleep(0.01)
+
+    def release(self) -> None:
+        """Remove the file if it is still ours (the owner may have removed it already) and drop the lock."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            path = _path(self.name)
+            if _same_file(path, fd):
+                os.unlink(path)
+        finally:
+            os.close(fd)  # drops the lock
+
+
+def holder_alive(name: str) -> bool:
+    """Whether a live process holds the liveness lock ``name`` (the owner's check; never creates it).
+
+    False when the file is missing (the reader never attached, so it never read a
+    slot, or it closed) or its lock is free (the reader died). True when the lock
+    is held, and when the file cannot be opened: not knowing keeps slots longer.
+    """
+    try:
+        fd = os.open(_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("[shm] cannot check liveness file %s (%s); treating its reader as alive", name, exc)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock we may have just taken
+    return False
+
+
 class ShmRing:
     """``slots_per_bucket`` slots for each bucket's packed-batch size, in one shared-memory segment.
 
@@ -177,6 +297,7 @@ class ShmRing:
         self.owner = lock_fd is not None
         self._mm: mmap.mmap | None = mm
         self._lock_fd = lock_fd
+        self._liveness: LivenessLock | None = None
         self._tag_offsets: list[list[int]] = []
         self._payloads: list[list[torch.Tensor]] = []
         mem = torch.frombuffer(mm, dtype=torch.uint8)  # zero copy; keeps the mapping alive
@@ -330,10 +451,21 @@ class ShmRing:
             pause = min(pause * 2, 5e-4)
 
     # ---------------------------------------------------------------- lifetime
+    def hold_liveness(self, reader_id: str, epoch: int) -> None:
+        """Lock this reader registration's liveness file until :meth:`close` (call before reading any slot):
+        while it is locked the owner does not reuse slots this side may be reading."""
+        if self._liveness is not None:
+            raise TransportError(f"shm ring {self.name} already holds liveness lock {self._liveness.name}")
+        self._liveness = LivenessLock.acquire(liveness_name(self.name, reader_id, epoch))
+
     def close(self) -> None:
-        """Drop this side's references (and the owner's lock). Payload views still held keep the mapping alive."""
+        """Drop this side's references, its liveness lock (and the owner's lock). Payload views still held keep
+        the mapping alive."""
         self._mm = None
         self._payloads = []
+        if self._liveness is not None:
+            self._liveness.release()
+            self._liveness = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -4,7 +4,11 @@ Policy: the control and metrics sockets bind loopback addresses (or ipc://)
 freely. Binding any other address needs ZeroMQ CURVE keys
 (``security.curve_dir``, created by ``python -m common.sockets keys DIR``):
 servers then encrypt and authenticate, and refuse clients whose public key
-is not in ``DIR/authorized_clients/``. The data-plane store has no
+is not in ``DIR/authorized_clients/``. Each host (or drafter) can have a key
+of its own (``add-client DIR NAME``, used with ``security.curve_client = NAME``)
+and lose it again (``revoke DIR NAME``): servers reread the authorized keys
+when the directory changes, so a revoked key cannot connect any more (its open
+connections last until they drop; restart the server to cut them at once). The data-plane store has no
 authentication of its own, so a non-loopback ``control.store_host`` also
 requires CURVE to be configured (and should sit on a trusted network).
 """
@@ -12,6 +16,7 @@ requires CURVE to be configured (and should sit on a trusted network).
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +29,8 @@ from zmq.auth.thread import ThreadAuthenticator
 SERVER_CERT = "server"
 CLIENT_CERT = "client"
 AUTHORIZED = "authorized_clients"
+CLIENTS = "clients"  # per-host/per-drafter key pairs made by add-client
+CLIENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -51,10 +58,12 @@ def check_bind(address: str, curve_dir: str, what: str) -> None:
 class SocketFactory:
     """Builds the sockets of one process from one context and one security setting."""
 
-    def __init__(self, ctx: zmq.Context, curve_dir: str = ""):
+    def __init__(self, ctx: zmq.Context, curve_dir: str = "", client_name: str = CLIENT_CERT):
         self.ctx = ctx
         self.curve_dir = Path(curve_dir) if curve_dir else None
+        self.client_name = client_name
         self._auth: ThreadAuthenticator | None = None
+        self._authorized_mtime = 0.0
 
     def _server_curve(self, sock: zmq.Socket) -> None:
         if self.curve_dir is None:
@@ -62,23 +71,36 @@ class SocketFactory:
         if self._auth is None:
             self._auth = ThreadAuthenticator(self.ctx)
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(self.curve_dir / AUTHORIZED))
+            self.reload_authorized()
         public, secret = zmq.auth.load_certificate(self._cert(SERVER_CERT, secret=True))
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
 
+    def reload_authorized(self) -> None:
+        """Reread ``authorized_clients/`` if it changed since the last read (a key added or revoked)."""
+        if self._auth is None:
+            return
+        folder = self.curve_dir / AUTHORIZED
+        mtime = folder.stat().st_mtime if folder.is_dir() else 0.0
+        if mtime != self._authorized_mtime:
+            self._authorized_mtime = mtime
+            self._auth.configure_curve(domain="*", location=str(folder))
+
     def _client_curve(self, sock: zmq.Socket) -> None:
         if self.curve_dir is None:
             return
-        public, secret = zmq.auth.load_certificate(self._cert(CLIENT_CERT, secret=True))
+        public, secret = zmq.auth.load_certificate(self._cert(self.client_name, secret=True))
         server_public, _ = zmq.auth.load_certificate(self._cert(SERVER_CERT, secret=False))
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_serverkey = server_public
 
     def _cert(self, name: str, *, secret: bool) -> Path:
-        path = self.curve_dir / (f"{name}.key_secret" if secret else f"{name}.key")
+        filename = f"{name}.key_secret" if secret else f"{name}.key"
+        path = self.curve_dir / filename
+        if not path.exists() and (self.curve_dir / CLIENTS / filename).exists():
+            path = self.curve_dir / CLIENTS / filename
         if not path.exists():
             raise SecurityError(f"CURVE key {path} is missing; create keys with `python -m common.sockets keys {self.curve_dir}`")
         return path
@@ -123,14 +145,55 @@ def create_keys(directory: Path) -> None:
         secret.chmod(0o600)
 
 
+def add_client(directory: Path, name: str) -> Path:
+    """A key pair of its own for one host or drafter (``clients/NAME.key*``), authorized at once."""
+    if not CLIENT_NAME.fullmatch(name):
+        raise SecurityError(f"client name must match {CLIENT_NAME.pattern}, got {name!r}")
+    clients = directory / CLIENTS
+    clients.mkdir(parents=True, exist_ok=True)
+    if (clients / f"{name}.key").exists():
+        raise SecurityError(f"client {name} already has a key in {clients}; revoke it first to replace it")
+    public, secret = zmq.auth.create_certificates(clients, name)
+    Path(secret).chmod(0o600)
+    (directory / AUTHORIZED).mkdir(exist_ok=True)
+    shutil.copy(public, directory / AUTHORIZED / f"{name}.key")
+    return Path(secret)
+
+
+def revoke(directory: Path, name: str) -> None:
+    """Servers refuse new connections with NAME's key from their next check of the directory (seconds)."""
+    key = directory / AUTHORIZED / f"{name}.key"
+    if not key.exists():
+        raise SecurityError(f"no authorized key named {name} in {directory / AUTHORIZED}")
+    key.unlink()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-keys", description="Create ZeroMQ CURVE keys for multi-host use.")
     sub = parser.add_subparsers(dest="command", required=True)
     keys = sub.add_parser("keys", help="create server and client keys in DIR")
     keys.add_argument("directory", type=Path)
+    add = sub.add_parser("add-client", help="create and authorize a key of its own for one host or drafter")
+    add.add_argument("directory", type=Path)
+    add.add_argument("name")
+    rev = sub.add_parser("revoke", help="stop accepting a client's key")
+    rev.add_argument("directory", type=Path)
+    rev.add_argument("name")
     args = parser.parse_args(argv)
-    create_keys(args.directory)
-    print(f"CURVE keys written to {args.directory}; copy the directory to every host and set security.curve_dir")
+    try:
+        if args.command == "keys":
+            create_keys(args.directory)
+            print(f"CURVE keys written to {args.directory}; copy server.key to every host and set security.curve_dir")
+        elif args.command == "add-client":
+            secret = add_client(args.directory, args.name)
+            print(f"client key {secret} authorized; give that host {args.directory}/server.key and "
+                  f"{args.directory}/{CLIENTS}/{args.name}.key*, and set security.curve_client = \"{args.name}\"")
+        else:
+            revoke(args.directory, args.name)
+            print(f"revoked {args.name}: servers refuse its new connections within seconds")
+    except SecurityError as exc:
+        print(f"dflash-keys: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -34,15 +34,43 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The target's store server. Raises TransportError naming the port when it is taken."""
+def _listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on exactly ``host``:``port`` (IPv4 or IPv6, as ``host`` resolves)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
-        return dist.TCPStore(host, port, None, True, _timedelta(timeout_s), wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise TransportError(
-            f"cannot host the data-plane store on {host}:{port} ({exc}); is another target running? "
-            "change control.store_port"
-        ) from None
+        # As torch's own server does: a restarted target rebinds despite connections in
+        # TIME_WAIT (on Linux this never lets a second socket listen on the port).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The target's store server, listening on ``host`` only. Raises TransportError naming the port when it is taken.
+
+    torch hands its store daemon only the port, which it binds on every address; so the
+    listening socket is made here and handed over with ``master_listen_fd``.
+    """
+    cannot = f"cannot host the data-plane store on {host}:{port}"
+    try:
+        listener = _listen_on(host, port)
+    except socket.gaierror as exc:
+        raise TransportError(f"{cannot}: control.store_host does not resolve ({exc})") from None
+    except OSError as exc:
+        raise TransportError(f"{cannot} ({exc}); is another target running? change control.store_port") from None
+    # The store owns the descriptor from here and closes it when it goes (or fails after
+    # taking it); a Python socket closing it too would close whatever reuses the number.
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(host, port, None, True, _timedelta(timeout_s), wait_for_workers=False,
+                             master_listen_fd=fd)
+    except RuntimeError as exc:
+        raise TransportError(f"{cannot} ({exc})") from None
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

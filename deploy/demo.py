@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import protocol as P  # noqa: E402
+from common.auth import status_credential  # noqa: E402
 from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
 
 
@@ -40,12 +41,16 @@ def _start(name: str, module: str, args: list[str], log_dir: Path) -> subprocess
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def _status(address: str, ctx: zmq.Context) -> P.Status | None:
+def _status(address: str, ctx: zmq.Context, run_dir: Path) -> P.Status | None:
+    try:
+        credential = status_credential(run_dir)
+    except (OSError, ValueError):
+        return None  # the target has not created the run's keys yet
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        sock.send(P.StatusRequest().encode())
+        sock.send(P.StatusRequest(auth=credential).encode())
         if sock.poll(1000):
             msg = P.decode(sock.recv())
             return msg if isinstance(msg, P.Status) else None
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
             if elapsed - last_print >= 10.0:
                 last_print = elapsed
-                status = _status(cfg.control.address, ctx)
+                status = _status(cfg.control.address, ctx, cfg.run.path)
                 if status is None:
                     print(f"demo: [{elapsed:5.0f}s] target is starting (loading the model, tokenizing the data)")
                 else:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 if procs[name].poll() is not None:
                     print(f"quality: {name} exited with {procs[name].returncode}; see {log_dir}/{name}.log", file=sys.stderr)
                     return 1
-            status = _status(cfg.control.address, ctx) if elapsed - last_print >= 30.0 else None
+            status = _status(cfg.control.address, ctx, cfg.run.path) if elapsed - last_print >= 30.0 else None
             if status is not None:
                 last_print = elapsed
                 if train_started is None and any(d["step"] > 0 for d in status.drafters):

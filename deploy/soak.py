@@ -1,7 +1,12 @@
-"""Soak: run the job for a while, restarting a random drafter every minute.
+"""Soak: run the job for a while, killing and restarting a random process every minute.
 
-Prints the resident memory of each process at the start and the end (a
-restarted drafter is reported per instance) and checks every drafter's ledger.
+Each period one process (a drafter, the target or the metrics sidecar) is
+stopped with SIGTERM (it must exit 0) or SIGKILL, then started again with the
+same command. At the end the soak checks every exit code, that no process
+grew past a memory bound (the last incarnation of each process against the
+first one's steady state), and the ledgers of every drafter group (its
+members split one sample stream, so it is checked as a whole, completeness
+included).
 
     python deploy/soak.py --config configs/demo.toml --minutes 10
 """
@@ -21,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.config import drafter_ids_in, load_config  # noqa: E402
 from deploy.demo import _start, _stop  # noqa: E402
-from drafter_worker.checkpoint import verify_lineage  # noqa: E402
+from drafter_worker.checkpoint import verify_group  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -34,12 +39,26 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+SETTLE_S = {"target": 60.0, "metrics": 5.0}  # a restarted target loads its model before it serves
+
+
+def _command(name: str, ids: list[str], common: list[str]) -> tuple[str, str, list[str]]:
+    """(log name, module, arguments) of one process of the job."""
+    if name == "target":
+        return "target", "target_server", common
+    if name == "metrics":
+        return "metrics", "metrics_sidecar", common
+    return f"drafter-{name}", "drafter_worker", [*common, "--id", name]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "demo.toml"))
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--restart-every-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rss-growth-mb", type=float, default=200.0,
+                        help="fail when a process ends with more resident memory than this above its first steady state")
     args = parser.parse_args(argv)
     overrides = ["run.name=\"soak\"", "drafter.max_steps=0"]
     cfg = load_config(args.config, overrides)
@@ -49,41 +68,52 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--config", args.config, *[f"--set={o}" for o in overrides]]
     logs = run_dir / "logs"
     rng = random.Random(args.seed)
-    procs = {"metrics": _start("metrics", "metrics_sidecar", common, logs),
-             "target": _start("target", "target_server", common, logs)}
-    for d in ids:
-        procs[d] = _start(f"drafter-{d}", "drafter_worker", [*common, "--id", d], logs)
+    names = ["metrics", "target", *ids]
+    procs = {name: _start(*_command(name, ids, common), logs) for name in names}
     time.sleep(60)  # let the target load and everything reach steady state
     start_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
     print("soak: resident memory at start (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in start_rss.items()), flush=True)
     deadline = time.monotonic() + 60 * args.minutes
-    restarts = 0
+    wrong_exits: list[str] = []
+    kills: list[str] = []
     try:
         while time.monotonic() < deadline:
             time.sleep(min(args.restart_every_s, max(0.0, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 break
-            victim = rng.choice(ids)
-            before = rss_mb(procs[victim].pid)
-            procs[victim].send_signal(signal.SIGTERM)
-            code = procs[victim].wait(120)
-            procs[victim] = _start(f"drafter-{victim}", "drafter_worker", [*common, "--id", victim], logs)
-            restarts += 1
-            time.sleep(5.0)  # let the new process get past exec before reading its memory
-            print(f"soak: restarted {victim} (exit {code}, {before:.0f} MB before); "
+            victim = rng.choice(names)
+            how = rng.choice([signal.SIGTERM, signal.SIGKILL])
+            procs[victim].send_signal(how)
+            code = procs[victim].wait(180)
+            expected = 0 if how == signal.SIGTERM else -signal.SIGKILL
+            if code != expected:
+                wrong_exits.append(f"{victim} exited {code} after {how.name} (expected {expected})")
+            procs[victim] = _start(*_command(victim, ids, common), logs)
+            kills.append(f"{victim}:{how.name}")
+            time.sleep(SETTLE_S.get(victim, 5.0))
+            print(f"soak: {how.name} {victim} (exit {code}); "
                   + ", ".join(f"{k}={rss_mb(p.pid):.0f}MB" for k, p in procs.items()), flush=True)
         end_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
         print("soak: resident memory at end (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in end_rss.items()))
     finally:
-        codes = {name: _stop(procs[name], 60) for name in [*ids, "target", "metrics"]}
-    print(f"soak: {restarts} drafter restarts; exit codes {codes}")
-    ok = all(c == 0 for c in codes.values())
+        codes = {name: _stop(procs[name], 120) for name in [*ids, "target", "metrics"]}
+    print(f"soak: {len(kills)} kills ({', '.join(kills) or 'none'}); final exit codes {codes}")
+    problems = wrong_exits + [f"{name} exited {code} on the final SIGTERM" for name, code in codes.items() if code != 0]
+    problems += [f"{name} grew from {start_rss[name]:.0f} to {end_rss[name]:.0f} MB" for name in names
+                 if end_rss[name] > start_rss[name] + args.rss_growth_mb]
+    groups: dict[str, list[str]] = {}
     for d in ids:
-        report = verify_lineage(run_dir, d)
-        print(f"soak: ledger {d}: final step {report.final_step}, {report.batches} batches, samples per epoch "
-              f"{report.samples_per_epoch}: {'clean' if report.ok else '; '.join(report.problems)}")
-        ok &= report.ok
-    return 0 if ok else 1
+        group = load_config(args.config, [f'drafter.id="{d}"', *overrides]).drafter.group
+        groups.setdefault(group, []).append(d)
+    for group, members in groups.items():
+        report = verify_group(run_dir, members)
+        print(f"soak: ledgers of group {group} ({', '.join(members)}): final steps {report.final_steps}, "
+              f"{report.batches} batches, samples per epoch {report.samples_per_epoch}, complete epochs "
+              f"{report.finished_epochs}: {'clean' if report.ok else '; '.join(report.problems)}")
+        problems += report.problems
+    for problem in problems:
+        print(f"soak: FAILED: {problem}")
+    return 0 if not problems else 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(f"drafter-{cfg.drafter.id}", cfg.run.path / "logs")
 
-    from drafter_worker.worker import DrafterWorker, FatalError, NonFiniteTraining
+    from drafter_worker.worker import DrafterWorker, FatalError, TrainingStopped
 
     worker = DrafterWorker(cfg)
     install_stop_handlers(worker.stop_event, cfg.drafter.stop_timeout_s, f"drafter {cfg.drafter.id}")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("[fatal] %s", exc)
         worker.close()
         return 2
-    except NonFiniteTraining as exc:
+    except TrainingStopped as exc:
         logger.error("[fatal] %s", exc)
         worker.close()
         return 3

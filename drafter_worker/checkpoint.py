@@ -3,14 +3,21 @@
 A checkpoint is a directory ``checkpoints/<drafter>/step-N/`` holding the
 drafter in the published layout (``config.json`` + ``model.safetensors``),
 ``trainer.pt`` (optimizer state and RNG states: tensors only, loaded with
-``weights_only=True``) and ``trainer_state.json`` (step, data cursor). It is
-written under a temporary name and renamed, so a kill never leaves a
-half-written checkpoint behind; ``latest`` names the newest one.
+``weights_only=True``) and ``trainer_state.json`` (step, data cursor, data
+identity). It is written under ``.tmp-step-N-<pid>``, every file and the
+directory are fsynced, then it is renamed into place and ``latest`` is flipped
+atomically (temporary file, fsync, rename, fsync of the directory), so a kill
+or a power cut leaves either the old or the new checkpoint. A ``latest`` that
+cannot be used falls back to the newest readable ``step-N``; the writer removes
+temporaries a killed save left behind.
 
 The ledger (``ledger/<drafter>.jsonl``) records, for every durable step, which
 batch and sample ids it trained. Every process start appends a ``resume`` line
 naming the checkpoint step it resumed from, which discards later steps of the
 dead lineage, so the lineage of the final checkpoint can be read from the file.
+Lines are appended with one ``write`` each on an ``O_APPEND`` descriptor and
+fsynced before the checkpoint that covers them is renamed into place; a line a
+kill cut short is truncated before the next append.
 """
 
 from __future__ import annotations
@@ -18,16 +25,80 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from common.dflash_model import DFlashDrafter, load_drafter, save_drafter
+from common.durable_io import cut_torn_tail, fsync_path, replace_durably, write_all, write_durably
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "trainer.pt", "trainer_state.json")
+_STEP_NAME = re.compile(r"step-(\d+)")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+class _RecordingFile:
+    """A file for torch.save that keeps the OSError of a failed write, which torch reports as a bare RuntimeError."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save that fails with the OSError of a failed write (a full disk), naming ``path``."""
+    try:
+        with open(path, "wb") as f:
+            out = _RecordingFile(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
+    except OSError as exc:  # from a write, or from flushing the rest at close
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+
+
+def _save_weights(directory: Path, model: DFlashDrafter) -> None:
+    try:
+        save_drafter(directory, model)
+    except SafetensorError as exc:  # how safetensors reports a failed write ("... (os error 28)")
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(directory / "model.safetensors")) from None
+
+
+def _discard(path: Path) -> None:
+    """Remove a temporary directory; one that cannot be removed now is removed at the writer's next start."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return  # never created (the save failed before its mkdir)
+    except OSError as exc:
+        logger.warning("[checkpoint] could not remove %s (%s); the next start removes it", path, exc)
 
 
 @dataclass
@@ -61,26 +132,94 @@ class TrainerState:
     group: str
     model_id: str
     tokens_trained: int = 0
+    # The data the checkpoint was trained on (WELCOME): size of the training split, its
+    # content hash and the plan's batches per epoch. Empty/0 in checkpoints that predate them.
+    train_samples: int = 0
+    data_fingerprint: str = ""
+    batches_per_epoch: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step, "coverage": self.coverage.to_json(), "drafter_id": self.drafter_id,
+            "group": self.group, "model_id": self.model_id, "tokens_trained": self.tokens_trained,
+            "train_samples": self.train_samples, "data_fingerprint": self.data_fingerprint,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TrainerState":
+        return cls(
+            step=int(data["step"]), coverage=Coverage.from_json(data["coverage"]), drafter_id=data["drafter_id"],
+            group=data["group"], model_id=data["model_id"], tokens_trained=int(data.get("tokens_trained", 0)),
+            train_samples=int(data.get("train_samples", 0)), data_fingerprint=data.get("data_fingerprint", ""),
+            batches_per_epoch=int(data.get("batches_per_epoch", 0)),
+        )
+
+
+def _why_unreadable(path: Path) -> str:
+    """Why ``path`` is not a complete checkpoint; empty when it is one."""
+    bad = [name for name in CHECKPOINT_FILES if not (path / name).is_file() or (path / name).stat().st_size == 0]
+    if bad:
+        return f"lacks {', '.join(bad)}"
+    try:
+        int(json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"has an unreadable trainer_state.json ({type(exc).__name__}: {exc})"
+    return ""
 
 
 class CheckpointStore:
-    def __init__(self, run_dir: Path, drafter_id: str, keep: int):
+    """The checkpoints of one drafter. Only the drafter itself passes ``writer=True``: it removes the
+    temporaries of a save that was killed, which a reader could not tell from a save in progress."""
+
+    def __init__(self, run_dir: Path, drafter_id: str, keep: int, writer: bool = False):
         self.root = run_dir / "checkpoints" / drafter_id
         self.keep = keep
+        if writer:
+            self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        stale = [*self.root.glob(".tmp-step-*"), *self.root.glob(".latest.tmp")]
+        for path in stale:
+            if path.is_dir():
+                _discard(path)
+            else:
+                path.unlink(missing_ok=True)
+        if stale:
+            logger.info("[checkpoint] removed %d temporaries of an interrupted save from %s", len(stale), self.root)
+
+    def steps(self) -> list[Path]:
+        """The ``step-N`` directories, oldest first (numeric order: step-100 after step-20)."""
+        found = [p for p in self.root.glob("step-*") if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
+        return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+    def _pointed(self) -> tuple[Path | None, str]:
+        """The checkpoint ``latest`` names, or None and what is wrong with the pointer."""
+        try:
+            name = (self.root / "latest").read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            return None, "is missing"
+        except (OSError, UnicodeDecodeError) as exc:
+            return None, f"cannot be read ({exc})"
+        if not _STEP_NAME.fullmatch(name):
+            return None, f"holds {name[:40]!r}, not a step-N name"
+        path = self.root / name
+        why = _why_unreadable(path)
+        return (None, f"names {name}, which {why}") if why else (path, "")
 
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / "trainer_state.json").exists() else None
+        """The checkpoint to resume from: the one ``latest`` names, else the newest readable one (with a warning)."""
+        path, why = self._pointed()
+        if path is not None:
+            return path
+        fallback = next((p for p in reversed(self.steps()) if not _why_unreadable(p)), None)
+        if fallback is not None or (self.root / "latest").exists():
+            logger.warning("[checkpoint] %s/latest %s; falling back to %s", self.root, why,
+                           fallback.name if fallback else "no checkpoint (nothing readable is left)")
+        return fallback
 
     def read_state(self, path: Path) -> TrainerState:
-        data = json.loads((path / "trainer_state.json").read_text())
-        return TrainerState(
-            step=int(data["step"]), coverage=Coverage.from_json(data["coverage"]), drafter_id=data["drafter_id"],
-            group=data["group"], model_id=data["model_id"], tokens_trained=int(data.get("tokens_trained", 0)),
-        )
+        return TrainerState.from_json(json.loads((path / "trainer_state.json").read_text(encoding="utf-8")))
 
     def save(
         self,
@@ -89,40 +228,75 @@ class CheckpointStore:
         optimizer: torch.optim.Optimizer,
         generator: torch.Generator,
     ) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Write step ``state.step`` durably and point ``latest`` at it.
+
+        On OSError (a full disk...) the temporaries are removed and the error is
+        raised again; ``latest`` still names the previous checkpoint unless only
+        the fsync after its rename failed (then it names this one, maybe not durably).
+        """
         name = f"step-{state.step}"
-        final = self.root / name
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_drafter(tmp, model)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
-            tmp / "trainer.pt",
-        )
-        (tmp / "trainer_state.json").write_text(json.dumps({
-            "step": state.step, "coverage": state.coverage.to_json(), "drafter_id": state.drafter_id,
-            "group": state.group, "model_id": state.model_id, "tokens_trained": state.tokens_trained,
-            "saved_at": time.time(),
-        }, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = self.root / ".latest.tmp"
-        pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, self.root / "latest")
+        try:
+            self._make_root()
+            self._write_tmp(tmp, state, model, optimizer, generator)
+            final = self._rename_into_place(tmp, name)
+            self._point_latest(name)
+        except OSError:
+            _discard(tmp)
+            (self.root / ".latest.tmp").unlink(missing_ok=True)
+            raise
         self._prune(keep_name=name)
         return final
 
-    def _prune(self, keep_name: str) -> None:
-        steps = sorted(
-            (p for p in self.root.glob("step-*") if p.is_dir()),
-            key=lambda p: int(p.name.split("-", 1)[1]),
+    def _make_root(self) -> None:
+        if self.root.is_dir():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fsync_path(self.root.parent)
+        fsync_path(self.root.parent.parent)
+
+    def _write_tmp(self, tmp: Path, state: TrainerState, model: DFlashDrafter,
+                   optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _save_weights(tmp, model)
+        _torch_save(
+            {"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
+            tmp / "trainer.pt",
         )
-        for old in steps[: -self.keep]:
-            if old.name != keep_name:
-                shutil.rmtree(old, ignore_errors=True)
+        write_durably(tmp / "trainer_state.json",
+                       json.dumps({**state.to_json(), "saved_at": time.time()}, indent=1).encode())
+        for name in CHECKPOINT_FILES[:-1]:  # trainer_state.json is fsynced already
+            fsync_path(tmp / name)
+        fsync_path(tmp)
+
+    def _rename_into_place(self, tmp: Path, name: str) -> Path:
+        final = self.root / name
+        if final.exists():
+            # Out of the way atomically: a kill leaves a temporary the next start removes.
+            old = self.root / f".tmp-{name}-{os.getpid()}-replaced"
+            os.replace(final, old)
+            _discard(old)
+        os.replace(tmp, final)
+        fsync_path(self.root)
+        return final
+
+    def _point_latest(self, name: str) -> None:
+        replace_durably(self.root / "latest", name.encode(), tmp=self.root / ".latest.tmp")
+
+    def _prune(self, keep_name: str) -> None:
+        for old in self.steps()[: -self.keep]:
+            if old.name == keep_name:
+                continue
+            # Renamed first, so a kill mid-delete never leaves a half step-N behind.
+            doomed = self.root / f".tmp-{old.name}-{os.getpid()}-pruned"
+            try:
+                os.replace(old, doomed)
+            except OSError as exc:  # the new checkpoint is in place: the save succeeded
+                logger.warning("[checkpoint] could not prune %s (%s); the next save tries again", old, exc)
+                continue
+            _discard(doomed)
 
     def load(
         self, path: Path, device: torch.device, optimizer_factory
@@ -140,15 +314,46 @@ class Ledger:
 
     def __init__(self, run_dir: Path, drafter_id: str):
         self.path = run_dir / "ledger" / f"{drafter_id}.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._pending: list[dict] = []
+        if not self.path.parent.is_dir():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fsync_path(self.path.parent.parent)
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._cut_torn_tail(fd)
+        finally:
+            os.close(fd)
+        if created:
+            fsync_path(self.path.parent)
+
+    def _cut_torn_tail(self, fd: int) -> None:
+        """A kill mid-append leaves a fragment the next line would be glued to: cut it."""
+        dropped = cut_torn_tail(fd)
+        if dropped:
+            logger.warning("[ledger] %s ends in an unfinished line (a write was interrupted); dropped its %d bytes",
+                           self.path, dropped)
 
     def _append(self, lines: list[dict]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            for line in lines:
-                f.write(json.dumps(line, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """One write per line, then one fsync; each line leaves ``lines`` once written, so a failure keeps the rest."""
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._cut_torn_tail(fd)  # a failed earlier append may have left part of a line
+            while lines:
+                self._append_line(fd, (json.dumps(lines[0], separators=(",", ":")) + "\n").encode())
+                lines.pop(0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _append_line(fd: int, line: bytes) -> None:
+        start = os.fstat(fd).st_size
+        try:
+            write_all(fd, line)
+        except OSError:
+            os.ftruncate(fd, start)  # no fragment for the next line to be glued to
+            raise
 
     def resumed(self, from_step: int) -> None:
         self._append([{"kind": "resume", "from_step": from_step, "time": time.time()}])
@@ -161,18 +366,32 @@ class Ledger:
         self._pending.append(entry)
 
     def make_durable(self) -> None:
-        """Write the pending steps; call right before the checkpoint that covers them is renamed into place."""
+        """Write and fsync the pending steps; call right before the checkpoint that covers them is renamed into place.
+
+        On OSError the lines not yet written stay pending for the next call.
+        """
         if self._pending:
             self._append(self._pending)
-            self._pending = []
 
 
 def read_lineage(ledger_path: Path, final_step: int) -> dict[int, dict]:
-    """step -> entry for the lineage that ends at checkpoint ``final_step``."""
+    """step -> entry for the lineage that ends at checkpoint ``final_step``.
+
+    An unfinished last line (a kill mid-append) is skipped with a warning; any other
+    line that does not parse raises ValueError naming it.
+    """
     steps: dict[int, dict] = {}
-    with open(ledger_path, encoding="utf-8") as f:
-        for line in f:
-            entry = json.loads(line)
+    with open(ledger_path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                logger.warning("[ledger] %s: skipping the unfinished last line %d (%d bytes)",
+                               ledger_path, number, len(line))
+                break
+            try:
+                entry = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"ledger {ledger_path} line {number} is corrupt ({exc}); the lineage cannot be "
+                                 "read past it") from None
             if entry["kind"] == "resume":
                 for s in [s for s in steps if s > entry["from_step"]]:
                     del steps[s]
@@ -183,39 +402,121 @@ def read_lineage(ledger_path: Path, final_step: int) -> dict[int, dict]:
 
 @dataclass
 class LineageReport:
-    drafter_id: str
-    final_step: int
+    """What the ledgers say about the final checkpoints of one drafter, or of a group whose members split one stream."""
+
+    drafter_id: str  # the members, joined with "+"
+    final_steps: dict[str, int]
     batches: int
     samples_per_epoch: dict[int, int]
     problems: list[str]
+    finished_epochs: list[int] = field(default_factory=list)  # epochs checked for completeness
+
+    @property
+    def final_step(self) -> int:
+        """Steps of the final checkpoints, summed over the members."""
+        return sum(self.final_steps.values())
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
-    """Check from files that the final checkpoint's lineage trained every step once and no sample twice per epoch."""
+def _final_lineage(run_dir: Path, drafter_id: str) -> tuple[TrainerState, dict[int, dict]] | None:
     store = CheckpointStore(run_dir, drafter_id, keep=1)
     latest = store.latest()
     if latest is None:
-        return LineageReport(drafter_id, 0, 0, {}, ["no checkpoint"])
-    final_step = store.read_state(latest).step
-    lineage = read_lineage(run_dir / "ledger" / f"{drafter_id}.jsonl", final_step)
-    problems = []
+        return None
+    state = store.read_state(latest)
+    return state, read_lineage(run_dir / "ledger" / f"{drafter_id}.jsonl", state.step)
+
+
+def _missing_steps(lineage: dict[int, dict], final_step: int) -> list[int]:
     covered = {s for last, e in lineage.items() for s in range(e.get("first_step", last), last + 1)}
-    missing = sorted(set(range(1, final_step + 1)) - covered)
-    if missing:
-        problems.append(f"durable steps missing from the ledger: {missing[:10]}")
-    batch_ids = [e["batch_id"] for e in lineage.values()]
-    if len(batch_ids) != len(set(batch_ids)):
-        problems.append("a batch was trained twice")
+    return sorted(set(range(1, final_step + 1)) - covered)
+
+
+def _batch_problems(entries: list[dict], claimed: set[int]) -> list[str]:
+    """Every batch the checkpoints count as trained (and tell the target so) is in a ledger once, and no other."""
+    counts = Counter(e["batch_id"] for e in entries)
+    problems = []
+    twice = sorted(b for b, n in counts.items() if n > 1)
+    if twice:
+        problems.append(f"batches trained twice: {twice[:10]}")
+    lost = sorted(claimed - counts.keys())
+    if lost:
+        problems.append(f"{len(lost)} batches the checkpoints count as trained are in no ledger (lost): {lost[:10]}")
+    unclaimed = sorted(counts.keys() - claimed)
+    if unclaimed:
+        problems.append(f"{len(unclaimed)} ledger batches the checkpoints do not count as trained: {unclaimed[:10]}")
+    return problems
+
+
+def _finished_epochs(entries: list[dict], claimed: set[int], batches_per_epoch: int) -> list[int]:
+    """Epochs the group has trained past: their last batch in plan order, or a later one, counts as trained.
+
+    The target serves a group's batches in plan order (a batch to redo before any new
+    one), so a finished epoch with a batch missing has lost it.
+    """
+    if batches_per_epoch:
+        return list(range((max(claimed, default=-1) + 1) // batches_per_epoch))
+    # Checkpoints that predate batches_per_epoch: an epoch is finished once a later one began.
+    return list(range(max((e["epoch"] for e in entries), default=0)))
+
+
+def _sample_problems(per_epoch: dict[int, list[int]], finished: list[int], train_samples: int) -> list[str]:
+    problems = [f"a sample was trained twice in epoch {e}" for e, s in per_epoch.items() if len(s) != len(set(s))]
+    for epoch in finished:
+        seen = set(per_epoch.get(epoch, []))
+        missing = sorted(set(range(train_samples)) - seen)
+        if missing:
+            problems.append(f"epoch {epoch}: {len(missing)} of {train_samples} samples never trained: {missing[:10]}")
+        outside = sorted(s for s in seen if not 0 <= s < train_samples)
+        if outside:
+            problems.append(f"epoch {epoch}: sample ids outside the {train_samples}-sample split: {outside[:10]}")
+    return problems
+
+
+def verify_group(run_dir: Path, drafter_ids: list[str]) -> LineageReport:
+    """Check from files that the final checkpoints of drafters splitting one sample stream trained every durable
+    step, every batch they count once, and every sample of every finished epoch exactly once (over their union)."""
+    problems: list[str] = []
+    final_steps: dict[str, int] = {}
+    entries: list[dict] = []
+    claimed: set[int] = set()
+    data: set[tuple[int, int]] = set()
+    for drafter_id in drafter_ids:
+        found = _final_lineage(run_dir, drafter_id)
+        if found is None:
+            problems.append(f"{drafter_id}: no checkpoint")
+            continue
+        state, lineage = found
+        final_steps[drafter_id] = state.step
+        missing = _missing_steps(lineage, state.step)
+        if missing:
+            problems.append(f"{drafter_id}: durable steps missing from the ledger: {missing[:10]}")
+        entries += lineage.values()
+        claimed |= set(range(state.coverage.watermark)) | state.coverage.extra
+        if state.train_samples:
+            data.add((state.train_samples, state.batches_per_epoch))
+    problems += _batch_problems(entries, claimed)
     per_epoch: dict[int, list[int]] = {}
-    for entry in lineage.values():
+    for entry in entries:
         per_epoch.setdefault(entry["epoch"], []).extend(entry["sample_ids"])
-    for epoch, samples in per_epoch.items():
-        if len(samples) != len(set(samples)):
-            problems.append(f"a sample was trained twice in epoch {epoch}")
+    finished: list[int] = []
+    train_samples = 0  # checkpoints that predate it cannot be checked for completeness
+    if len(data) > 1:
+        problems.append(f"the members' checkpoints disagree on the data (train_samples, batches_per_epoch): "
+                        f"{sorted(data)}")
+    elif data:
+        train_samples, batches_per_epoch = data.pop()
+        finished = _finished_epochs(entries, claimed, batches_per_epoch)
+    problems += _sample_problems(per_epoch, finished, train_samples)
     return LineageReport(
-        drafter_id, final_step, len(batch_ids), {e: len(s) for e, s in sorted(per_epoch.items())}, problems
+        "+".join(drafter_ids), final_steps, len(entries), {e: len(s) for e, s in sorted(per_epoch.items())},
+        problems, finished,
     )
+
+
+def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
+    """:func:`verify_group` for a drafter that is alone in its group."""
+    return verify_group(run_dir, [drafter_id])

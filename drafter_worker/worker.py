@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from common import protocol as P
+from common.auth import hello_proof, load_or_create_control_key
 from common.config import Config
 from common.dflash_model import DFlashDrafter, init_feature_scale, init_logit_scale, make_drafter_config
 from common.metrics_client import MetricsPusher
@@ -44,8 +45,20 @@ class FatalError(RuntimeError):
     """The target refused this drafter for a reason retrying cannot fix (config/version mismatch)."""
 
 
-class NonFiniteTraining(RuntimeError):
-    """Training produced nothing but non-finite losses or gradients for too long (exit code 3)."""
+class TrainingStopped(RuntimeError):
+    """Training cannot go on without losing or corrupting work; the last good checkpoint is kept (exit code 3)."""
+
+
+class NonFiniteTraining(TrainingStopped):
+    """Training produced nothing but non-finite losses or gradients for too long."""
+
+
+# Checkpoint saves that may fail in a row (full disk, I/O error) before the worker stops.
+MAX_SAVE_FAILURES = 3
+
+
+class CheckpointSaveFailed(TrainingStopped):
+    """MAX_SAVE_FAILURES checkpoint saves in a row failed."""
 
 
 class TargetUnavailable(RuntimeError):
@@ -56,9 +69,10 @@ class Receiver(threading.Thread):
     """Waits on posted receives in order and hands completed batches to the control thread.
 
     Over a pair group it receives into the posted buffer. Over an shm ring it
-    waits until the batch's slot carries its tag, then hands over the slot itself
-    (posted buffer None: trained in place) or copies it into the posted buffer
-    (a drafter on an accelerator).
+    waits until the batch's slot carries its tag, copies the slot into the posted
+    buffer and checks the tag again: a batch rewritten while it was copied (the
+    target had dropped this registration) is never trained on. The copy costs a
+    memcpy per batch, small against a training step.
 
     On a GPU the receives run on a stream of this thread's own: each waits only
     on its buffer's ``free_event`` (recorded after the last training step that
@@ -74,8 +88,8 @@ class Receiver(threading.Thread):
         self.timeout_s = timeout_s
         self.device = device
         self._stopped = threading.Event()
-        # (BATCH, buffer to fill or None, event after which the buffer may be written)
-        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor | None, object] | None] = queue.Queue()
+        # (BATCH, buffer to fill, event after which the buffer may be written)
+        self.inbox: queue.Queue[tuple[P.Batch, torch.Tensor, object] | None] = queue.Queue()
         # (BATCH, filled buffer, event after which it may be read)
         self.ready: queue.Queue[tuple[P.Batch, torch.Tensor, object] | TransportError] = queue.Queue()
 
@@ -99,14 +113,12 @@ class Receiver(threading.Thread):
                 return
             self.ready.put((meta, buf, stream.record()))
 
-    def _from_ring(self, meta: P.Batch, buf: torch.Tensor | None) -> torch.Tensor:
+    def _from_ring(self, meta: P.Batch, buf: torch.Tensor) -> torch.Tensor:
         ring = self.ring
         if not (0 <= meta.bucket < len(ring.slot_bytes) and 0 <= meta.slot < ring.slots_per_bucket):
             raise TransportError(f"BATCH {meta.batch_id} names slot {meta.bucket}/{meta.slot}, which ring {ring.name} lacks")
         ring.wait_ready(meta.bucket, meta.slot, meta.tag, self.timeout_s, stop=self._stopped)
         slot = ring.payload(meta.bucket, meta.slot)
-        if buf is None:
-            return slot
         buf[: meta.nbytes].copy_(slot[: meta.nbytes])
         _check_slot_kept(ring, meta)
         return buf
@@ -128,6 +140,31 @@ def _check_slot_kept(ring: ShmRing, meta: P.Batch) -> None:
             f"slot {meta.bucket}/{meta.slot} of the target's pool was rewritten while batch {meta.batch_id} was read "
             "from it: the target had dropped this registration"
         )
+
+
+def _heartbeating(work, heartbeat, every_s: float):
+    """``work()`` on a thread of its own while this thread calls ``heartbeat()`` every ``every_s``.
+
+    The control socket stays on this thread (ZeroMQ sockets are not thread-safe);
+    ``work``'s result or exception comes back here.
+    """
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="checkpoint-save")
+    thread.start()
+    while thread.is_alive():
+        thread.join(every_s)
+        if thread.is_alive():
+            heartbeat()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -156,10 +193,11 @@ class DrafterWorker:
         self.run_dir = cfg.run.path
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir)
+        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir, cfg.security.curve_client)
         self._metrics = MetricsPusher(cfg.metrics.address, f"drafter/{self.dcfg.id}", sockets=self._sockets)
-        self.checkpoints = CheckpointStore(self.run_dir, self.dcfg.id, self.dcfg.keep_checkpoints)
-        self.ledger = Ledger(self.run_dir, self.dcfg.id)
+        self.checkpoints = CheckpointStore(self.run_dir, self.dcfg.id, self.dcfg.keep_checkpoints, writer=True)
+        self.ledger = Ledger(self.run_dir, self.dcfg.id)  # cuts a line a kill left unfinished
+        self._save_failures = 0  # checkpoint saves failed in a row
         self.trainer: DrafterTrainer | None = None
         self.state: TrainerState | None = None
         self._resume_path = self.checkpoints.latest()
@@ -287,6 +325,8 @@ class DrafterWorker:
             drafter_id=self.dcfg.id, group=self.dcfg.group, config_hash=self.cfg.shared_hash(),
             transport=self.transport, pid=os.getpid(), covered_watermark=coverage.watermark,
             covered_extra=sorted(coverage.extra), step=self.state.step if self.state else 0,
+            # Read at every HELLO: whichever process of the run starts first creates the key.
+            auth=hello_proof(load_or_create_control_key(self.run_dir), self.dcfg.id),
         )
 
     def _handshake(self, sock: zmq.Socket) -> P.Welcome:
@@ -328,6 +368,7 @@ class DrafterWorker:
                     f"the target now captures layers {welcome.target_layer_ids} but this drafter was built for "
                     f"{list(model.target_layer_ids)}"
                 )
+            self._check_data(welcome, "this drafter's weights")
             self._set_plan(welcome)
             return
         if self.dcfg.threads:
@@ -336,6 +377,7 @@ class DrafterWorker:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.dcfg.seed)
         if self._resume_path is not None:
+            self._check_data(welcome, f"checkpoint {self._resume_path}")
             model, optimizer, gen_state, torch_rng = self.checkpoints.load(
                 self._resume_path, self.device, lambda m: make_optimizer(self.dcfg, m)
             )
@@ -373,12 +415,26 @@ class DrafterWorker:
             optimizer = make_optimizer(self.dcfg, model)
             step = 0
             self._fresh_model = True
-            self.state = TrainerState(0, Coverage(), self.dcfg.id, self.dcfg.group, welcome.model_id)
+            self.state = TrainerState(0, Coverage(), self.dcfg.id, self.dcfg.group, welcome.model_id,
+                                      train_samples=welcome.train_samples, data_fingerprint=welcome.data_fingerprint,
+                                      batches_per_epoch=welcome.batches_per_epoch)
         self.trainer = DrafterTrainer(self.dcfg, model, optimizer, generator, step)
         self._set_plan(welcome)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("[model] drafter %s: %.2fM parameters, %d layers, block %d, starting at step %d",
                     self.dcfg.id, n_params / 1e6, self.dcfg.num_layers, model.block_size, step)
+
+    def _check_data(self, welcome: P.Welcome, what: str) -> None:
+        """Refuse to continue training made on other data; otherwise record the target's data in the state."""
+        ours, theirs = self.state.data_fingerprint, welcome.data_fingerprint
+        if ours and ours != theirs:
+            raise FatalError(
+                f"{what} was trained on data with fingerprint {ours}, but the target serves data with fingerprint "
+                f"{theirs or '(none)'}; start a new run (another run.name) or restore the data this run was started with"
+            )
+        self.state.data_fingerprint = theirs
+        self.state.train_samples = welcome.train_samples
+        self.state.batches_per_epoch = welcome.batches_per_epoch
 
     def _set_draft_vocab(self, model: DFlashDrafter, welcome: P.Welcome) -> None:
         """The K tokens the target's training answers use most; ids the data never uses fill the rest."""
@@ -429,6 +485,13 @@ class DrafterWorker:
         finally:
             weights.close()
         ring = ShmRing.attach(welcome.shm_name, welcome.shm_slot_bytes, welcome.shm_slots_per_bucket)
+        try:
+            # Before our first REQUEST, so before we read any slot: the target frees the slots
+            # we hold at once when it can take this lock (we died), else after a grace period.
+            ring.hold_liveness(self.dcfg.id, welcome.registration_epoch)
+        except BaseException:
+            ring.close()
+            raise
         logger.info("[shm] mapped the target's batch pool /dev/shm/%s (%d buckets x %d slots, %.1f MiB)",
                     ring.name, len(ring.slot_bytes), ring.slots_per_bucket, ring.nbytes / 2**20)
         return ring
@@ -436,8 +499,6 @@ class DrafterWorker:
     # ---------------------------------------------------------------- steady state
     def _train_loop(self, sock: zmq.Socket, receiver: Receiver, welcome: P.Welcome) -> str:
         trainer = self.trainer
-        # shm on the CPU: train on the ring slot itself, no buffer of our own.
-        in_place = receiver.ring is not None and self.device.type == "cpu"
         # Free buffers per bucket, each with the event after which it may be overwritten.
         buffers: dict[int, list[tuple[torch.Tensor, object]]] = {}
         layouts: dict[int, BatchLayout] = {}
@@ -460,28 +521,25 @@ class DrafterWorker:
                 return "max_steps"
             if done and inflight == 0:
                 return "done"
-            if now - last_heard > timeout:
-                raise TargetUnavailable(f"target silent for {now - last_heard:.1f}s (heartbeat timeout {timeout:.0f}s)")
             if now >= next_hb:
                 sock.send(P.Heartbeat(step=trainer.step).encode())
                 next_hb = now + hb_every
-            # Control messages.
+            # Control messages (before the silence check: after a long step they are queued, not lost).
             while sock.poll(0 if inflight and not receiver.ready.empty() else 5):
                 msg = self._decode(sock.recv())
                 last_heard = time.monotonic()
+                if isinstance(msg, P.Heartbeat) and msg.capture_stalled_s > 0:
+                    raise TargetUnavailable(f"the target's capture has made no progress for {msg.capture_stalled_s:.0f}s")
                 if isinstance(msg, P.Batch):
                     layout = layouts.setdefault(
                         msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
                     )
-                    if in_place:
-                        buf, free_event = None, None
+                    pool = buffers.setdefault(msg.bucket, [])
+                    if pool:
+                        buf, free_event = pool.pop()
                     else:
-                        pool = buffers.setdefault(msg.bucket, [])
-                        if pool:
-                            buf, free_event = pool.pop()
-                        else:
-                            buf = layout.allocate(self.device)
-                            free_event = record_current(self.device)
+                        buf = layout.allocate(self.device)
+                        free_event = record_current(self.device)
                     receiver.inbox.put((msg, buf, free_event))
                     inflight += 1
                     inflight_credits -= 1
@@ -497,6 +555,8 @@ class DrafterWorker:
                         # ERROR replies count as "heard", so waiting would never end.
                         raise TargetUnavailable(f"target no longer knows this registration ({msg.message})")
                     logger.warning("target reported ERROR %s: %s", msg.code, msg.message)
+            if time.monotonic() - last_heard > timeout:
+                raise TargetUnavailable(f"target silent for {time.monotonic() - last_heard:.1f}s (heartbeat timeout {timeout:.0f}s)")
             # A completed receive: train on it.
             try:
                 item = receiver.ready.get_nowait()
@@ -522,19 +582,11 @@ class DrafterWorker:
             for _ in range(steps):
                 lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
             compute_s = time.perf_counter() - start
-            if in_place:
-                # Only if the target dropped us mid-step (and its grace period ran out): the step
-                # is done and is accounted as usual, so say loudly that its input was torn.
-                try:
-                    _check_slot_kept(receiver.ring, meta)
-                except TransportError as exc:
-                    logger.error("[shm] %s; step %d trained on a torn batch", exc, trainer.step)
             if self._first_step_at is None:
                 self._first_step_at = time.monotonic()
             idle_since = time.monotonic()
-            if not in_place:
-                # Reusable once the step just issued has read it (device-side order).
-                buffers[meta.bucket].append((buf, record_current(self.device)))
+            # Reusable once the step just issued has read it (device-side order).
+            buffers[meta.bucket].append((buf, record_current(self.device)))
             self.state.coverage.add(meta.batch_id)
             self.state.step = trainer.step
             self.state.tokens_trained += meta.num_tokens
@@ -542,7 +594,9 @@ class DrafterWorker:
             pending_ack.append(meta.batch_id)
             self._account(meta, lr, wait_s, compute_s, first_step - 1)
             if _crossed(first_step - 1, trainer.step, self.dcfg.checkpoint_every_steps):
-                self._checkpoint()
+                # The target keeps hearing from us however long the save takes.
+                self._checkpoint(heartbeat=lambda: sock.send(P.Heartbeat(step=trainer.step).encode()),
+                                 heartbeat_every_s=hb_every)
             sock.send(P.Ack(batch_ids=pending_ack, step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
             pending_ack = []
             # Keep (in flight + unused credits) at the configured credits, but never ask past max_steps.
@@ -552,7 +606,7 @@ class DrafterWorker:
                 sock.send(P.Request(credits=1).encode())
                 inflight_credits += 1
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, heartbeat=None, heartbeat_every_s: float = 1.0) -> None:
         trainer = self.trainer
         # Bad steps never change the weights (found_inf), so this holds unless something else
         # broke them; then keep the last finite checkpoint rather than write over it.
@@ -562,8 +616,25 @@ class DrafterWorker:
             raise NonFiniteTraining(f"drafter {self.dcfg.id} has non-finite weights at step {trainer.step}; "
                                     f"kept the last finite checkpoint (step {self._checkpoint_step})")
         self.state.step = trainer.step
-        self.ledger.make_durable()
-        path = self.checkpoints.save(self.state, trainer.model, trainer.optimizer, trainer.generator)
+        def save():
+            self.ledger.make_durable()
+            return self.checkpoints.save(self.state, trainer.model, trainer.optimizer, trainer.generator)
+
+        try:
+            path = save() if heartbeat is None else _heartbeating(save, heartbeat, heartbeat_every_s)
+        except OSError as exc:
+            # The previous checkpoint stays the durable one (and the one ACKs name);
+            # unwritten ledger lines stay pending for the next save.
+            self._save_failures += 1
+            what = (f"stopping after {MAX_SAVE_FAILURES} failures in a row" if self._save_failures >= MAX_SAVE_FAILURES
+                    else f"retrying at the next checkpoint (failure {self._save_failures} of {MAX_SAVE_FAILURES})")
+            message = (f"drafter {self.dcfg.id}: saving step {trainer.step} under {self.checkpoints.root} failed ({exc}); "
+                       f"kept checkpoint step {self._checkpoint_step}, {what}")
+            if self._save_failures >= MAX_SAVE_FAILURES:
+                raise CheckpointSaveFailed(message) from None
+            logger.error("[checkpoint] %s", message)
+            return
+        self._save_failures = 0
         self._checkpoint_step = trainer.step
         logger.info("[checkpoint] drafter %s: step %d -> %s", self.dcfg.id, trainer.step, path)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BIND_FAILED
     run_dir = args.run_dir or cfg.run.path
     setup_logging("metrics", run_dir / "logs")
+    # Own W&B service, never one inherited from the launcher: that one can still
+    # hold a killed sidecar's stream of this run id, and init would then fail
+    # with "run ID ... is in use", leaving the restarted sidecar without W&B.
+    os.environ.pop("WANDB_SERVICE", None)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

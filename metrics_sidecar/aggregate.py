@@ -145,24 +145,48 @@ def format_window_line(
 
 
 class WindowAggregator:
-    """Collects records into windows; `close_window` builds the row and the line."""
+    """Collects records into windows; `close_window` builds the row and the line.
+
+    Per-source state is bounded: at most `max_sources` sources are tracked
+    (`admits` says whether a record's source may be added), and a source
+    silent for `forget_after_s` (default 10 x stale_after_s) is dropped by
+    `forget_silent`, so a stream of fresh source names cannot grow memory.
+    """
 
     def __init__(
         self,
         *,
         stale_after_s: float = 60.0,
+        forget_after_s: float | None = None,
+        max_sources: int = 1024,
         first_window: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_sources < 1:
+            raise ValueError(f"max_sources must be >= 1, got {max_sources}")
         self.stale_after_s = stale_after_s
+        self.forget_after_s = 10.0 * stale_after_s if forget_after_s is None else forget_after_s
+        self.max_sources = max_sources
         self.states: dict[str, SourceState] = {}
         self.next_index = first_window
         self._clock = clock
         self._window: dict[str, SourceState] = {}
         self.pending = 0  # valid records in the open window
 
+    def admits(self, source: str) -> bool:
+        """Whether a record from `source` may be added (tracked already, or room for one more)."""
+        return source in self.states or len(self.states) < self.max_sources
+
+    def forget_silent(self) -> list[str]:
+        """Drop the state of sources silent for longer than forget_after_s; return their names."""
+        cutoff = self._clock() - self.forget_after_s
+        gone = [s for s, st in self.states.items() if st.last_seen < cutoff and s not in self._window]
+        for source in gone:
+            del self.states[source]
+        return gone
+
     def add(self, record: MetricsRecord) -> bool:
-        """Fold one record in; return True the first time its source is seen."""
+        """Fold one record in (its source must be admitted); return True the first time its source is seen."""
         now = self._clock()
         state = self.states.get(record.source)
         is_new = state is None

@@ -18,20 +18,24 @@ from typing import Any
 
 import zmq
 
-from common.sockets import SecurityError, SocketFactory
-
 from common.metrics_client import MalformedRecord, parse_metrics_record
+from common.durable_io import replace_durably
+from common.sockets import SecurityError, SocketFactory, check_bind
 from metrics_sidecar.aggregate import WindowAggregator
 from metrics_sidecar.jsonl_log import JsonlLog
-from metrics_sidecar.wandb_uploader import WANDB_MODES, WandbUploader
+from metrics_sidecar.wandb_uploader import WANDB_MODES, WandbUploader, sync_command
 
 logger = logging.getLogger("metrics_sidecar")
 
 METRICS_FILE = "metrics.jsonl"
 STATE_FILE = "metrics_sidecar_state.json"  # window counter, so a restart continues sidecar/window
 _POLL_MAX_S = 0.1
-_MAX_FRAME_BYTES = 1 << 20  # a metrics record is a few hundred bytes
-_RCVHWM = 100_000
+# A record is a few hundred bytes (a drafter with 63 acc/pos_k series is under
+# 2 KiB); ZeroMQ drops the connection of a peer that sends a larger frame.
+_MAX_FRAME_BYTES = 64 << 10
+# Per connected producer, which sends about one record per window: this many
+# queue only while the sidecar stalls, and cap that peer at 64 MiB.
+_RCVHWM = 1000
 _MALFORMED_WARNINGS_PER_WINDOW = 20
 
 
@@ -61,6 +65,7 @@ class MetricsSidecar:
         wandb_config: dict[str, Any] | None = None,
         stop_event: threading.Event | None = None,
         stale_after_s: float = 60.0,
+        max_sources: int = 1024,
         upload_queue_windows: int = 64,
         wandb_retries: int = 3,
         close_timeout_s: float = 30.0,
@@ -86,24 +91,20 @@ class MetricsSidecar:
         # Counters (also logged as sidecar/*).
         self.records_received = 0  # every frame, valid or not
         self.records_malformed = 0
+        self.records_refused = 0  # valid, but from a new source beyond max_sources
         self.records_dropped_by_producers = 0
         self.windows_logged = 0
 
         self._closed = False
         self._window_frames = 0
         self._malformed_in_window = 0
+        self._refused_in_window = 0
         self._dropped_in_window: dict[str, int] = {}
 
         if sockets is None:
             sockets = SocketFactory(context if context is not None else zmq.Context.instance())
         self._sockets = sockets
-        try:
-            sock = sockets.bind(zmq.PULL, address, "metrics socket",
-                                LINGER=0, RCVHWM=_RCVHWM, MAXMSGSIZE=_MAX_FRAME_BYTES)
-        except SecurityError as exc:
-            raise SidecarBindError(
-                f"metrics sidecar: {exc}; is another sidecar running there? stop it or choose another metrics address"
-            ) from None
+        sock = self._bind(sockets, address)
         self._sock: zmq.Socket | None = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
@@ -111,7 +112,9 @@ class MetricsSidecar:
         self._uploader: WandbUploader | None = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._aggregator = WindowAggregator(stale_after_s=stale_after_s, first_window=self._load_next_window())
+            self._aggregator = WindowAggregator(
+                stale_after_s=stale_after_s, max_sources=max_sources, first_window=self._load_next_window()
+            )
             if wandb_mode != "disabled":
                 self._uploader = WandbUploader(
                     run_dir=self.run_dir,
@@ -127,10 +130,26 @@ class MetricsSidecar:
         except BaseException:
             sock.close(linger=0)
             raise
+        upload = f" (upload with: {sync_command(self.run_dir)})" if wandb_mode == "offline" else ""
         logger.info(
-            "[startup] metrics sidecar listening on %s, run %s in %s, window %.1f s, W&B %s",
-            address, run_name, self.run_dir, window_s, wandb_mode,
+            "[startup] metrics sidecar listening on %s, run %s in %s, window %.1f s, W&B %s%s",
+            address, run_name, self.run_dir, window_s, wandb_mode, upload,
         )
+
+    @staticmethod
+    def _bind(sockets: SocketFactory, address: str) -> zmq.Socket:
+        """The PULL socket, under the same rule as the control socket: off-host needs CURVE."""
+        try:
+            check_bind(address, str(sockets.curve_dir or ""), "metrics socket")
+        except SecurityError as exc:
+            raise SidecarBindError(f"metrics sidecar: {exc}") from None
+        try:
+            return sockets.bind(zmq.PULL, address, "metrics socket",
+                                LINGER=0, RCVHWM=_RCVHWM, MAXMSGSIZE=_MAX_FRAME_BYTES)
+        except SecurityError as exc:
+            raise SidecarBindError(
+                f"metrics sidecar: {exc}; is another sidecar running there? stop it or choose another metrics address"
+            ) from None
 
     # --- public -------------------------------------------------------------
 
@@ -148,6 +167,8 @@ class MetricsSidecar:
         return {
             "sidecar/records_received": self.records_received,
             "sidecar/records_malformed": self.records_malformed,
+            "sidecar/records_refused": self.records_refused,
+            "sidecar/sources_tracked": len(self._aggregator.states),
             "sidecar/records_dropped_by_producers": self.records_dropped_by_producers,
             "sidecar/wandb_calls": up.calls if up else 0,
             "sidecar/wandb_log_ms": up.last_log_ms if up else 0.0,
@@ -169,6 +190,7 @@ class MetricsSidecar:
                     self._receive_available()
                 if time.monotonic() >= next_window:
                     self._end_window()
+                    self._sockets.reload_authorized()  # a revoked CURVE key stops connecting (as on control)
                     next_window = time.monotonic() + self.window_s
             self._drain()
         finally:
@@ -214,12 +236,18 @@ class MetricsSidecar:
         try:
             if len(frames) != 1:
                 raise MalformedRecord(f"expected one frame, got {len(frames)}")
+            if len(frames[0]) > _MAX_FRAME_BYTES:  # inproc skips MAXMSGSIZE; never decode a huge frame
+                raise MalformedRecord(f"frame of {len(frames[0])} bytes exceeds {_MAX_FRAME_BYTES}")
             record = parse_metrics_record(frames[0])
         except MalformedRecord as exc:
             self.records_malformed += 1
             self._malformed_in_window += 1
             if self._malformed_in_window <= _MALFORMED_WARNINGS_PER_WINDOW:
                 logger.warning("malformed metrics record (%d bytes) ignored: %s", sum(map(len, frames)), exc)
+            return
+        if not self._aggregator.admits(record.source):
+            self.records_refused += 1
+            self._refused_in_window += 1
             return
         if record.dropped:
             self.records_dropped_by_producers += record.dropped
@@ -240,6 +268,14 @@ class MetricsSidecar:
 
     def _end_window(self) -> None:
         self._jsonl.flush()
+        self._forget_silent_sources()
+        if self._refused_in_window:
+            logger.warning(
+                "refused %d record(s) from new sources: already tracking %d (the limit); "
+                "silent sources are forgotten after %.0f s",
+                self._refused_in_window, len(self._aggregator.states), self._aggregator.forget_after_s,
+            )
+            self._refused_in_window = 0
         if self._malformed_in_window > _MALFORMED_WARNINGS_PER_WINDOW:
             logger.warning(
                 "%d more malformed record(s) in this window not shown",
@@ -256,11 +292,21 @@ class MetricsSidecar:
             return  # nothing new: no W&B call, no line
         self._window_frames = 0
         window = self._aggregator.close_window(self.stats())
+        # Claim the window number durably before W&B sees it: after a kill the
+        # next sidecar never reuses it, so W&B steps stay disjoint across restarts.
+        self._save_next_window(self._aggregator.next_index)
         if self._uploader is not None:
             self._uploader.submit(window)
         self.windows_logged += 1
-        self._save_next_window(self._aggregator.next_index)
         logger.info("%s", window.line)
+
+    def _forget_silent_sources(self) -> None:
+        gone = self._aggregator.forget_silent()
+        if gone:
+            logger.info(
+                "[source] forgot %d source(s) silent for over %.0f s: %s%s",
+                len(gone), self._aggregator.forget_after_s, " ".join(gone[:10]), " ..." if len(gone) > 10 else "",
+            )
 
     # --- window counter persistence ---------------------------------------------
 
@@ -275,7 +321,6 @@ class MetricsSidecar:
             return 1
 
     def _save_next_window(self, next_window: int) -> None:
+        """Replace the state file atomically and durably (file and directory fsynced)."""
         path = self.run_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"next_window": next_window}) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        replace_durably(path, (json.dumps({"next_window": next_window}) + "\n").encode(), tmp=path.with_suffix(".tmp"))

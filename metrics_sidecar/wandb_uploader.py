@@ -5,6 +5,16 @@ thread, so the sidecar's receive loop never waits on W&B. Windows wait in a
 bounded queue (its length is `sidecar/upload_backlog`); when it is full the
 oldest window is dropped. A failing call is retried with exponential backoff a
 few times, then dropped with a log line; W&B failing never stops the sidecar.
+
+Restarts: every sidecar start opens the same run id (`wandb_run_id` in the run
+directory) with resume="allow", and logs window i as W&B step i (the window
+counter survives restarts, see sidecar.py), so the history segments of
+successive starts hold disjoint, increasing `_step` ranges. Online, W&B
+resumes the run on the spot. Offline, each start writes its own
+wandb/offline-run-*/ directory, and W&B does not record the resume setting in
+it: the upload must run with resume set, `sync_command(run_dir)`, so that each
+later segment is appended after the history already uploaded instead of
+overwriting it from line 0 (docs/metrics.md, "Durability, restarts and limits").
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import hashlib
 import logging
 import queue
 import re
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -52,6 +63,11 @@ def load_or_create_run_id(run_dir: str | Path, run_name: str) -> str:
     tmp.write_text(run_id + "\n", encoding="utf-8")
     tmp.replace(path)
     return run_id
+
+
+def sync_command(run_dir: str | Path) -> str:
+    """The command that uploads every offline segment of the run as one history."""
+    return f"WANDB_RESUME=allow wandb sync {shlex.quote(str(Path(run_dir) / 'wandb'))}"
 
 
 def _default_init(**kwargs: Any) -> Any:
@@ -193,7 +209,11 @@ class WandbUploader:
         run.define_metric(WINDOW_KEY)
         run.define_metric("pipeline/*", step_metric=WINDOW_KEY)
         run.define_metric("sidecar/*", step_metric=WINDOW_KEY)
-        logger.info("[wandb] run %s (%s mode) in %s", self.run_id, self.mode, self.run_dir / "wandb")
+        if self.mode == "offline":
+            logger.info("[wandb] run %s (offline) in %s; upload with: %s",
+                        self.run_id, self.run_dir / "wandb", sync_command(self.run_dir))
+        else:
+            logger.info("[wandb] run %s (online) in %s", self.run_id, self.run_dir / "wandb")
         return True
 
     def _log(self, window: Window) -> None:
@@ -203,7 +223,9 @@ class WandbUploader:
                     self._run.define_metric(f"{source}/step")
                     self._run.define_metric(f"{source}/*", step_metric=f"{source}/step")
                     self._defined.add(source)
-            self._run.log(window.row)
+            # W&B step = window number, which continues across restarts. commit:
+            # with an explicit step W&B would hold the row until the next window.
+            self._run.log(window.row, step=window.index, commit=True)
 
         start = time.perf_counter()
         ok, _ = self._retry(f"log of window {window.index}", call)

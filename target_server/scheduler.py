@@ -86,12 +86,14 @@ class BatchScheduler:
     # ---- group lifecycle (control thread) ----
     def join(self, group: str, covered_watermark: int, covered_extra: list[int]) -> None:
         """A registration joins ``group``; its checkpoint covers < watermark plus extra."""
+        # Computed before taking the lock: its size is the peer's to choose (bounded by the protocol).
+        extra = set(covered_extra)
+        top = max([covered_watermark, *(i + 1 for i in extra)])
+        redo = [i for i in range(covered_watermark, top) if i not in extra]
         with self._cond:
             state = self.groups.setdefault(group, GroupState())
-            extra = set(covered_extra)
-            top = max([covered_watermark, *(i + 1 for i in extra)])
             state.next_index = top
-            state.redo = [i for i in range(covered_watermark, top) if i not in extra]
+            state.redo = redo
             state.active += 1
             self._cond.notify_all()
 

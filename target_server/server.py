@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from common import protocol as P
+from common.auth import hello_proof, load_or_create_control_key, proof_ok, status_proof
 from common.config import Config
 from common.dflash_model import build_target_layer_ids
 from common.metrics_client import MetricsPusher
@@ -34,6 +35,7 @@ from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.shm_transport import ShmRing, segment_name, sweep_stale
 from common.streams import SideStream
 from common.transport import TransportError, host_store, local_address_towards
+from target_server.admission import PeerRateLimiter
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
 from target_server.data import build_dataset, fingerprint, token_ranking
@@ -41,11 +43,17 @@ from target_server.feature_cache import FeatureCache
 from target_server.link import DrafterLink, LinkEvent
 from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
-from target_server.shm_pool import PoolLink, ShmBatchPool, process_gone
+from target_server.shm_pool import PoolLink, ShmBatchPool
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Inbound queue per peer: a drafter has a few messages in flight (ACK, REQUEST, HEARTBEAT);
+# beyond this a flooding peer's own sends block instead of growing our memory.
+_RCVHWM = 128
+# Message budgets per peer (messages/s, burst); a frame costs 1 plus 1 per 64 KiB.
+_REGISTERED_BUDGET = (1000.0, 2000.0)
+_STRANGER_BUDGET = (20.0, 40.0)
+_LOOP_BUDGET_S = 0.02  # control-loop time spent on messages before timers run, every turn
 
 
 class StartupError(RuntimeError):
@@ -62,6 +70,7 @@ class Registration:
     pid: int
     registered_at: float
     last_seen: float
+    last_progress: float  # last ACK, or the dispatch that ended an idle spell: bounds how long batches are held
     credits: int = 0
     inflight: set[int] = field(default_factory=set)  # dispatched, not acknowledged
     step: int = 0
@@ -79,7 +88,7 @@ class TargetServer:
         self.transport = cfg.transport.resolve(cfg.target.device)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir)
+        self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir, cfg.security.curve_client)
         self._sock: zmq.Socket | None = None
         self._store = None
         self._regs: dict[bytes, Registration] = {}
@@ -89,6 +98,10 @@ class TargetServer:
         # transport "shm": pool slots of dropped registrations, handed back at the given time.
         self._deferred_release: list[tuple[float, list[ReadyBatch]]] = []
         self._offenders: set[bytes] = set()
+        self._registered_budget = PeerRateLimiter(*_REGISTERED_BUDGET)
+        self._stranger_budget = PeerRateLimiter(*_STRANGER_BUDGET)
+        self._control_key = ""
+        self._capture_tick = time.monotonic()  # the capture thread's last sign of progress
         self._last_hello: dict[str, float] = {}
         self._events: queue.Queue[LinkEvent] = queue.Queue()
         self._epoch_counter = 0
@@ -122,7 +135,8 @@ class TargetServer:
             # Peers that stop reading lose messages (SNDHWM) instead of growing our memory.
             self._sock = self._sockets.bind(
                 zmq.ROUTER, cfg.control.address, "control socket", LINGER=0, ROUTER_MANDATORY=0,
-                MAXMSGSIZE=cfg.control.max_message_bytes, RCVHWM=10000, SNDHWM=1000,
+                MAXMSGSIZE=min(cfg.control.max_message_bytes, max(P.INBOUND_BYTES.values())),
+                RCVHWM=_RCVHWM, SNDHWM=1000,
             )
         except SecurityError as exc:
             raise StartupError(f"{exc}; is another target running? change control.address") from None
@@ -131,6 +145,7 @@ class TargetServer:
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
         self._metrics = MetricsPusher(cfg.metrics.address, "target", sockets=self._sockets)
+        self._control_key = load_or_create_control_key(cfg.run.path)
 
         loaded = load_target(
             cfg.target.model, device=cfg.target.device, dtype=self.dtype, tokenizer_source=cfg.target.tokenizer or None
@@ -241,6 +256,7 @@ class TargetServer:
         stream.wait_default()  # weights and buffers were written on the default stream
         try:
             while not self._stop.is_set():
+                self._capture_tick = time.monotonic()  # waits return every 0.5 s: only a hung batch stops this
                 got = self.scheduler.next_to_capture(timeout_s=0.5)
                 if got is None:
                     continue
@@ -314,10 +330,14 @@ class TargetServer:
         metrics_every = max(1.0, self.cfg.metrics.window_s)
         next_metrics = time.monotonic() + metrics_every
         while not self._stop.is_set():
-            for _ in range(256):  # bounded burst so timers still run under a flood
-                if not poller.poll(timeout=0 if _ else 20):
-                    break
+            # Messages for a bounded time, then the timers, on every turn whatever the traffic.
+            turn_end = time.monotonic() + _LOOP_BUDGET_S
+            timeout_ms = 20
+            while poller.poll(timeout=timeout_ms):
                 self._receive_one()
+                timeout_ms = 0
+                if time.monotonic() >= turn_end:
+                    break
             self._drain_link_events()
             self._release_deferred(time.monotonic())
             self._dispatch()
@@ -325,6 +345,7 @@ class TargetServer:
             if now >= next_hb:
                 next_hb = now + hb_every
                 self._heartbeat_and_reap(now)
+                self._sockets.reload_authorized()  # a revoked client key stops connecting
             if now >= next_metrics:
                 next_metrics = now + metrics_every
                 self._push_metrics(now)
@@ -341,29 +362,40 @@ class TargetServer:
         frames = self._sock.recv_multipart()
         identity = frames[0]
         reg = self._regs.get(identity)
+        now = time.monotonic()
+        # Charged before anything is decoded: a flooding peer's excess is dropped unread.
+        budget = self._registered_budget if reg is not None else self._stranger_budget
+        if not budget.allow(identity, now, cost=1.0 + sum(len(f) for f in frames[1:]) / 65536):
+            return
         if len(frames) != 2:
             self._complain(identity, reg, P.E_MALFORMED, f"a control message is exactly one frame, got {len(frames) - 1}")
             return
         try:
+            P.check_inbound_size(frames[1])
             msg = P.decode(frames[1], max_bytes=self.cfg.control.max_message_bytes)
         except P.ProtocolError as exc:
             self._complain(identity, reg, exc.code, exc.message)
             return
         if reg is not None:
-            reg.last_seen = time.monotonic()
+            reg.last_seen = now
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg)
         elif isinstance(msg, P.StatusRequest):
-            self._send(identity, self._status())
+            if proof_ok(status_proof(self._control_key), msg.auth):
+                self._send(identity, self._status())
+            else:
+                self._complain(identity, reg, P.E_AUTH, "STATUS needs the run's status key (<run_dir>/auth/status.key)")
         elif reg is None:
             self._complain(identity, reg, P.E_STATE, f"{msg.TYPE} before HELLO: register first")
         elif isinstance(msg, P.Request):
-            reg.credits = min(reg.credits + max(0, msg.credits), 64)
+            reg.credits = min(reg.credits + msg.credits, P.MAX_CREDITS)
             if isinstance(reg.link, PoolLink):
                 reg.link.paired = True  # a drafter asks for batches only once it has mapped the pool
         elif isinstance(msg, P.Ack):
             for batch_id in msg.batch_ids:
-                reg.inflight.discard(batch_id)
+                if batch_id in reg.inflight:
+                    reg.inflight.discard(batch_id)
+                    reg.last_progress = now
                 held = reg.held.pop(batch_id, None)
                 if held is not None:
                     self.scheduler.release(held)
@@ -389,10 +421,12 @@ class TargetServer:
         logger.warning("[bad-message] %s: %s (%s); later offences of this peer are not logged", who, message, code)
 
     def _on_hello(self, identity: bytes, hello: P.Hello) -> None:
-        for name, value in (("drafter_id", hello.drafter_id), ("group", hello.group)):
-            if not _NAME.fullmatch(value):
-                self._complain(identity, None, P.E_MALFORMED, f"HELLO.{name} must match {_NAME.pattern}, got {value[:40]!r}")
-                return
+        # First the proof (cheap, and nothing below is told to a stranger), then the rate limit.
+        if not proof_ok(hello_proof(self._control_key, hello.drafter_id), hello.auth):
+            self._complain(identity, None, P.E_AUTH,
+                           f"HELLO for drafter {hello.drafter_id} without the run's control key "
+                           f"(<run_dir>/auth/control.key, same run directory as the target)")
+            return
         now = time.monotonic()
         if now - self._last_hello.get(hello.drafter_id, -1e9) < 1.0:
             self._complain(identity, None, P.E_BUSY, f"drafter {hello.drafter_id} re-registers too fast; retry in a second")
@@ -418,6 +452,10 @@ class TargetServer:
             logger.warning("[hello] refused %s", message)
             self._send(identity, P.Error(P.E_TRANSPORT, message))
             return
+        total = self.scheduler.total_batches
+        if total is not None and not (hello.covered_watermark <= total and all(i < total for i in hello.covered_extra)):
+            self._complain(identity, None, P.E_RANGE, f"HELLO coverage lies beyond the plan's {total} batches")
+            return
         for old in list(self._regs.values()):
             if old.drafter_id == hello.drafter_id or old.identity == identity:
                 self._drop(old, "replaced by a new registration")
@@ -431,7 +469,8 @@ class TargetServer:
             shm = {"shm_name": pool.name, "shm_slot_bytes": pool.slot_bytes, "shm_slots_per_bucket": pool.slots_per_bucket,
                    "shm_weights_name": self._shm_weights.name}
         else:
-            prefix = f"pair/{hello.drafter_id}/{os.getpid()}/{epoch}"
+            # Unguessable: only the drafter told in WELCOME can join (or spoof) this pair.
+            prefix = f"pair/{secrets.token_hex(16)}/{epoch}"
             link = DrafterLink(
                 name=f"{hello.drafter_id}-{epoch}", transport=self.transport,
                 store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
@@ -439,7 +478,8 @@ class TargetServer:
                 events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
             )
         now = time.monotonic()
-        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, step=hello.step)
+        reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, now,
+                           step=hello.step)
         self._regs[identity] = reg
         self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
         link.start()
@@ -489,13 +529,18 @@ class TargetServer:
     def _drop(self, reg: Registration, why: str) -> None:
         if self._regs.pop(reg.identity, None) is None:
             return
+        self._registered_budget.forget(reg.identity)
         reg.link.stop()
         self._stopped_links = [l for l in self._stopped_links if l.is_alive()] + [reg.link]
         self.scheduler.leave(reg.group, sorted(reg.inflight))
+        pool = self._shm_pool
+        reader_alive = pool is not None and pool.reader_alive(reg.drafter_id, reg.epoch)
+        if pool is not None:
+            pool.forget_reader(reg.drafter_id, reg.epoch)  # after the check: the file is what it asks
         if reg.held:
             # A live drafter may still be inside a step on these slots: keep them a heartbeat
-            # timeout longer unless its process is gone (it is on this host with shm).
-            grace = 0.0 if process_gone(reg.pid) else self.cfg.control.heartbeat_timeout_s
+            # timeout longer unless it is gone (its liveness lock is free: the kernel dropped it).
+            grace = self.cfg.control.heartbeat_timeout_s if reader_alive else 0.0
             self._deferred_release.append((time.monotonic() + grace, list(reg.held.values())))
             reg.held.clear()
         logger.info(
@@ -556,6 +601,8 @@ class TargetServer:
                 if slot < 0:
                     reg.link.enqueue(ready, tag)
                 reg.credits -= 1
+                if not reg.inflight:
+                    reg.last_progress = time.monotonic()  # the ACK clock starts with the first batch held
                 reg.inflight.add(ready.plan_index)
             if not reg.done_sent and not reg.inflight and self.scheduler.finished(reg.group):
                 reg.done_sent = True
@@ -564,6 +611,10 @@ class TargetServer:
 
     def _heartbeat_and_reap(self, now: float) -> None:
         timeout = self.cfg.control.heartbeat_timeout_s
+        ack_timeout = self.cfg.control.ack_timeout_s
+        # A capture stuck inside one batch is reported, so drafters do not wait on it forever.
+        stalled = now - self._capture_tick
+        stalled = round(stalled, 1) if stalled > self.cfg.transport.timeout_s else 0.0
         for reg in list(self._regs.values()):
             if not reg.link.paired and now - reg.registered_at < self.cfg.transport.timeout_s:
                 # Still building its model / warming up / forming the pair: bounded by the
@@ -571,8 +622,11 @@ class TargetServer:
                 continue
             if now - reg.last_seen > timeout:
                 self._drop(reg, f"silent for {now - reg.last_seen:.1f}s (heartbeat timeout {timeout:.1f}s)")
+            elif reg.inflight and now - reg.last_progress > ack_timeout:
+                self._drop(reg, f"held {len(reg.inflight)} batches for {now - reg.last_progress:.0f}s without an ACK "
+                                f"(control.ack_timeout_s {ack_timeout:.0f}s)")
             else:
-                self._send(reg.identity, P.Heartbeat(step=self._captured_batches))
+                self._send(reg.identity, P.Heartbeat(step=self._captured_batches, capture_stalled_s=stalled))
 
     # ---------------------------------------------------------------- observability
     def _push_metrics(self, now: float) -> None:
@@ -634,8 +688,9 @@ class TargetServer:
             self._send(reg.identity, P.Bye(reason="target shutting down"))
             self._drop(reg, "target shutting down")
         # Link threads own process groups; let them finish before the interpreter does
-        # (one still forming a pair may sit in a bounded C++ wait: give up after a while).
-        deadline = time.monotonic() + 0.5 * self.cfg.target.stop_timeout_s
+        # (one still forming a pair may sit in an uninterruptible wait of up to transport.timeout_s,
+        # which the config keeps below stop_timeout_s; the rest of the shutdown needs little).
+        deadline = time.monotonic() + self.cfg.target.stop_timeout_s - 5
         threads = [t for t in (self._capture_thread, *self._stopped_links) if t is not None]
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -10,8 +10,11 @@ by the transport.
 A slot stays pinned in the scheduler from dispatch until the drafter ACKs the
 batch (one pin per drafter it was sent to), so it is never recaptured while it
 is read. When a registration is dropped its pins are handed back: at once when
-its process is gone, else after a grace period (a drafter dropped while alive,
-e.g. for a missed heartbeat, may still be inside a step on the slot).
+its drafter is gone, else after a grace period (a drafter dropped while alive,
+e.g. for a missed heartbeat, may still be inside a step on the slot). "Gone" is
+told by the drafter's liveness lock (:class:`common.shm_transport.LivenessLock`,
+taken before its first REQUEST), not by its pid: a pid means nothing across
+PID namespaces (containers) and is reused.
 
 Slot tags work as a sequence lock: the capture thread zeroes a slot's tag
 before writing into it and publishes a fresh, never reused tag after. A reader
@@ -21,12 +24,11 @@ that sees the tag of its BATCH before and after reading read a whole batch.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from common.packing import BatchLayout
-from common.shm_transport import ShmRing
+from common.shm_transport import ShmRing, holder_alive, liveness_name, unlink_segment
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +64,26 @@ class ShmBatchPool:
         self.ring.publish(bucket, slot, tag)
         return tag
 
+    def reader_alive(self, drafter_id: str, epoch: int) -> bool:
+        """Whether the drafter of this registration may still read slots: it holds its liveness lock.
+
+        False once it died (the kernel dropped the lock) or if it never mapped the pool (it read no slot).
+        """
+        return holder_alive(liveness_name(self.name, drafter_id, epoch))
+
+    def forget_reader(self, drafter_id: str, epoch: int) -> None:
+        """Remove the registration's liveness file (asked :meth:`reader_alive` first). A live drafter keeps
+        its lock on the unlinked file; nothing asks about this registration again."""
+        try:
+            unlink_segment(liveness_name(self.name, drafter_id, epoch))
+        except OSError as exc:
+            logger.warning("[shm] cannot remove the liveness file of drafter %s epoch %d: %s", drafter_id, epoch, exc)
+
     def close(self) -> None:
         """Remove the segment's name and drop the target's mapping (drafters' mappings stay valid)."""
         self.ring.unlink()
         self.buffers = []
         self.ring.close()
-
-
-def process_gone(pid: int) -> bool:
-    """True when no process ``pid`` exists here (a drafter on this host that was killed)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 class PoolLink:

@@ -30,6 +30,7 @@ from pathlib import Path
 import zmq
 
 from common import protocol as P
+from common.auth import read_key, status_credential
 from common.config import ConfigError, drafter_ids_in, load_config
 from common.sockets import SecurityError, SocketFactory
 
@@ -42,18 +43,19 @@ class NoAnswer(RuntimeError):
     """The target did not answer: not running, still starting, or a wrong address."""
 
 
-def query(address: str, timeout_s: float, sockets: SocketFactory) -> P.Status:
+def query(address: str, timeout_s: float, sockets: SocketFactory, credential: str = "") -> P.Status:
     """One STATUS_REQUEST round trip; raises :class:`NoAnswer` after ``timeout_s``.
 
     ``sockets`` carries the job's security setting: with CURVE configured the
-    target only answers clients holding the client key.
+    target only answers clients holding the client key. ``credential`` is the
+    run's status key (common.auth), without which the target refuses.
     """
     try:
         sock = sockets.connect(zmq.DEALER, address, LINGER=0)
     except zmq.ZMQError as exc:
         raise NoAnswer(f"cannot connect to {address}: {exc.strerror}") from None
     try:
-        sock.send(P.StatusRequest().encode())
+        sock.send(P.StatusRequest(auth=credential).encode())
         if not sock.poll(int(timeout_s * 1000)):
             raise NoAnswer(
                 f"no answer from the target at {address} within {timeout_s:g}s: it is not running, "
@@ -190,7 +192,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set run.name=exp2")
     p.add_argument("--address", help=f"control address of the target (default: control.address, else {DEFAULT_ADDRESS})")
-    p.add_argument("--run-dir", type=Path, help="run directory whose metrics.jsonl gives the last losses (default: from the config)")
+    p.add_argument("--run-dir", type=Path, help="run directory whose metrics.jsonl gives the last losses and whose "
+                   "auth/status.key proves the right to ask (default: from the config)")
+    p.add_argument("--status-key", type=Path, help="file holding the run's status key (default: <run dir>/auth/status.key)")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--timeout-s", type=float, default=2.0, help="how long to wait for the target's answer")
@@ -201,7 +205,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     address, run_dir, run_name, bucket_lengths, expected_ids = args.address, args.run_dir, None, None, []
-    curve_dir = ""
+    curve_dir, curve_client = "", "client"
     if args.config or args.overrides:
         overrides = list(args.overrides)
         if os.environ.get("DFLASH_RUN_NAME"):
@@ -216,17 +220,24 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_dir or cfg.run.path
         run_name = cfg.run.name
         bucket_lengths = list(cfg.data.bucket_lengths)
-        curve_dir = cfg.security.curve_dir
+        curve_dir, curve_client = cfg.security.curve_dir, cfg.security.curve_client
     address = address or DEFAULT_ADDRESS
     if run_dir is not None and run_name is None:
         run_name = run_dir.name
 
+    try:
+        given_key = read_key(args.status_key) if args.status_key else ""
+    except (OSError, ValueError) as exc:
+        print(f"dflash-status: cannot read the status key: {exc}", file=sys.stderr)
+        return 2
     ctx = zmq.Context()
-    sockets = SocketFactory(ctx, curve_dir)
+    sockets = SocketFactory(ctx, curve_dir, curve_client)
     tty = sys.stdout.isatty()
     try:
         while True:
-            text, code = _one_frame(args, sockets, address, run_dir, run_name, bucket_lengths, expected_ids)
+            # Read again every frame: a watch started before the target has no key yet.
+            credential = given_key or _run_credential(run_dir)
+            text, code = _one_frame(args, sockets, credential, address, run_dir, run_name, bucket_lengths, expected_ids)
             if args.watch is None:
                 print(text, file=sys.stdout if code == 0 else sys.stderr)
                 return code
@@ -248,9 +259,17 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
 
 
-def _one_frame(args, sockets, address, run_dir, run_name, bucket_lengths, expected_ids) -> tuple[str, int]:
+def _run_credential(run_dir: Path | None) -> str:
+    """The run's status key; empty when there is none yet (the target, if up, then says what it needs)."""
     try:
-        status = query(address, args.timeout_s, sockets)
+        return status_credential(run_dir) if run_dir is not None else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def _one_frame(args, sockets, credential, address, run_dir, run_name, bucket_lengths, expected_ids) -> tuple[str, int]:
+    try:
+        status = query(address, args.timeout_s, sockets, credential)
     except NoAnswer as exc:
         return f"dflash-status: {exc}", 1
     ids = sorted({str(d.get("id")) for d in status.drafters} | set(expected_ids))

@@ -14,7 +14,10 @@ import uuid
 import pytest
 import torch
 
-from common.shm_transport import SHM_DIR, ShmRing, ring_nbytes, segment_name, sweep_stale, unlink_segment
+from common.shm_transport import (
+    SHM_DIR, LivenessLock, ShmRing, holder_alive, liveness_name, ring_nbytes, segment_name, sweep_stale,
+    unlink_segment,
+)
 from common.transport import TransportError
 from tests.conftest import ROOT
 
@@ -231,3 +234,71 @@ def test_sweep_removes_segments_of_a_killed_creator_and_keeps_live_ones(name):
         unlink_segment(dead_name)
         live.unlink()
         live.close()
+
+
+# ---------------------------------------------------------------- liveness locks (who may still read a slot)
+
+
+def test_liveness_names_are_built_from_known_values_and_refuse_unsafe_parts(name):
+    assert liveness_name(name, "d0", 3) == f"dflash-live.{name}.d0.3"
+    for ring, reader, epoch in [(name, "../x", 1), (name, "..", 1), ("a/b", "d0", 1), (name, "", 1), (name, "d0", -1),
+                                (name, "d0", "1"), (name, "d0" * 200, 1)]:
+        with pytest.raises(ValueError):
+            liveness_name(ring, reader, epoch)
+
+
+def test_a_held_liveness_lock_reads_alive_and_a_released_one_is_gone(name):
+    live = liveness_name(name, "d0", 1)
+    assert not holder_alive(live)  # never created: the reader never attached
+    lock = LivenessLock.acquire(live)
+    try:
+        path = SHM_DIR / live
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert holder_alive(live) and holder_alive(live), "the check itself must not take the lock over"
+        with pytest.raises(TransportError, match="locked by another process"):
+            LivenessLock.acquire(live, timeout_s=0.05)  # one registration, one reader
+    finally:
+        lock.release()
+    assert not path.exists() and not holder_alive(live)
+    lock.release()  # idempotent
+
+
+def test_a_liveness_file_nobody_locks_is_gone_and_swept(name):
+    live = liveness_name(name, "d0", 2)
+    (SHM_DIR / live).touch(mode=0o600)
+    try:
+        assert not holder_alive(live)
+        assert live in sweep_stale()
+        assert not (SHM_DIR / live).exists()
+    finally:
+        unlink_segment(live)
+
+
+def test_release_keeps_a_file_that_is_no_longer_its_own(name):
+    live = liveness_name(name, "d0", 4)
+    lock = LivenessLock.acquire(live)
+    unlink_segment(live)  # the owner dropped the registration
+    newer = LivenessLock.acquire(live)  # and another holder made a file of that name
+    try:
+        lock.release()
+        assert holder_alive(live), "a reader removed a liveness file that is not its own"
+    finally:
+        newer.release()
+
+
+def test_closing_an_attached_ring_releases_its_liveness_lock(name):
+    owner = ShmRing.create(name, SLOTS, 1)
+    reader = ShmRing.attach(name, SLOTS, 1)
+    live = liveness_name(name, "d0", 5)
+    try:
+        reader.hold_liveness("d0", 5)
+        assert holder_alive(live)
+        with pytest.raises(TransportError, match="already holds"):
+            reader.hold_liveness("d0", 5)
+        reader.close()
+        assert not holder_alive(live) and not (SHM_DIR / live).exists()
+    finally:
+        reader.close()
+        owner.unlink()
+        owner.close()
+        unlink_segment(live)

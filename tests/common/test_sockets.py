@@ -6,7 +6,7 @@ import zmq
 import zmq.auth
 import pytest
 
-from common.sockets import SecurityError, SocketFactory, create_keys, is_loopback
+from common.sockets import SecurityError, SocketFactory, add_client, create_keys, is_loopback, revoke
 from tests.conftest import free_ports
 
 
@@ -58,4 +58,36 @@ def test_curve_server_accepts_authorized_clients_and_refuses_others(tmp_path):
     finally:
         server.close(linger=0)
         factory.close()
+        ctx.term()
+
+
+def test_per_host_keys_connect_and_a_revoked_one_is_refused(tmp_path):
+    keys = tmp_path / "keys"
+    create_keys(keys)
+    add_client(keys, "host-a")
+    add_client(keys, "host-b")
+    with pytest.raises(SecurityError, match="already has a key"):
+        add_client(keys, "host-a")
+    (port,) = free_ports(1)
+    ctx = zmq.Context()
+    server_factory = SocketFactory(ctx, str(keys))
+    server = server_factory.bind(zmq.PULL, f"tcp://0.0.0.0:{port}", "metrics socket", LINGER=0)
+    try:
+        for name in ("host-a", "host-b"):
+            client = SocketFactory(ctx, str(keys), name).connect(zmq.PUSH, f"tcp://127.0.0.1:{port}", LINGER=0)
+            assert _roundtrip(server, client), f"{name} with its own authorized key was refused"
+            server.recv()
+            client.close()
+
+        revoke(keys, "host-a")
+        server_factory.reload_authorized()  # what the target does every heartbeat
+        revoked = SocketFactory(ctx, str(keys), "host-a").connect(zmq.PUSH, f"tcp://127.0.0.1:{port}", LINGER=0)
+        assert not _roundtrip(server, revoked), "a revoked key got through"
+        revoked.close()
+        kept = SocketFactory(ctx, str(keys), "host-b").connect(zmq.PUSH, f"tcp://127.0.0.1:{port}", LINGER=0)
+        assert _roundtrip(server, kept), "revoking host-a also refused host-b"
+        kept.close()
+    finally:
+        server.close(linger=0)
+        server_factory.close()
         ctx.term()

@@ -321,12 +321,44 @@ def test_lineage_with_several_steps_per_batch(tmp_path):
     for batch in range(4):
         ledger.trained(3 * batch + 3, batch, 0, [batch], first_step=3 * batch + 1)
     ledger.make_durable()
-    store.save(state(12), model, optimizer, torch.Generator().manual_seed(0))
+    store.save(state(12, Coverage(4)), model, optimizer, torch.Generator().manual_seed(0))
     report = verify_lineage(run_dir, "d0")
     assert report.ok, report.problems
     assert report.batches == 4 and report.final_step == 12
     # A step no entry covers is reported.
     ledger.trained(14, 9, 0, [9])
     ledger.make_durable()
-    store.save(state(14), model, optimizer, torch.Generator().manual_seed(0))
+    store.save(state(14, Coverage(4, {9})), model, optimizer, torch.Generator().manual_seed(0))
     assert "missing" in " ".join(verify_lineage(run_dir, "d0").problems)
+
+
+def test_trainer_state_of_an_older_checkpoint_has_no_data_identity(tmp_path):
+    # Checkpoints written before train_samples / data_fingerprint existed still resume.
+    cfg = DrafterConfig()
+    model = tiny_drafter()
+    store = CheckpointStore(tmp_path, "d0", keep=2)
+    path = store.save(state(3), model, make_optimizer(cfg, model), torch.Generator())
+    data = json.loads((path / "trainer_state.json").read_text())
+    for key in ("train_samples", "data_fingerprint", "batches_per_epoch"):
+        del data[key]
+    (path / "trainer_state.json").write_text(json.dumps(data))
+    st = store.read_state(path)
+    assert (st.train_samples, st.data_fingerprint, st.batches_per_epoch) == (0, "", 0)
+    full = TrainerState(3, Coverage(2), "d0", "g0", "tiny", 300, train_samples=8, data_fingerprint="abc",
+                        batches_per_epoch=4)
+    store.save(full, model, make_optimizer(cfg, model), torch.Generator())
+    assert store.read_state(store.latest()) == full
+
+
+def test_a_corrupt_ledger_line_in_the_middle_is_an_error(tmp_path):
+    # Only an unfinished last line may be skipped: damage in the middle would hide lost steps.
+    ledger = Ledger(tmp_path, "d0")
+    ledger.resumed(0)
+    ledger.trained(1, 0, 0, [0])
+    ledger.make_durable()
+    with open(ledger.path, "a") as f:
+        f.write('{"kind": "st\n')
+    ledger.trained(2, 1, 0, [1])
+    ledger.make_durable()
+    with pytest.raises(ValueError, match="line 3 is corrupt"):
+        read_lineage(ledger.path, 2)

@@ -6,7 +6,6 @@ trained exactly once in the lineage of each drafter's final checkpoint.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.shm_transport import SHM_DIR, sweep_stale
-from drafter_worker.checkpoint import read_lineage
+from drafter_worker.checkpoint import verify_lineage
 from tests.integration.harness import Job, write_config
 
 pytestmark = pytest.mark.timeout(420)
@@ -29,16 +28,11 @@ def _latest_step(job: Job, source: str) -> int:
 
 
 def _check_exactly_once(run_dir: Path, drafter: str) -> tuple[int, int]:
-    ckpt = run_dir / "checkpoints" / drafter
-    final = json.loads((ckpt / (ckpt / "latest").read_text().strip() / "trainer_state.json").read_text())
-    lineage = read_lineage(run_dir / "ledger" / f"{drafter}.jsonl", final["step"])
-    assert sorted(lineage) == list(range(1, final["step"] + 1)), "a durable step is missing from the ledger"
-    batch_ids = [e["batch_id"] for e in lineage.values()]
-    assert len(batch_ids) == len(set(batch_ids)), "a batch was trained twice in the final lineage"
-    samples = [s for e in lineage.values() for s in e["sample_ids"]]
-    assert len(samples) == len(set(samples)), "a sample was trained twice in the final lineage"
-    assert set(samples) == set(range(len(samples))), "a sample of the epoch was never trained"
-    return final["step"], len(samples)
+    # Every durable step in the ledger, no batch twice, every sample of the epoch exactly once.
+    report = verify_lineage(run_dir, drafter)
+    assert report.ok, report.problems
+    assert report.finished_epochs == [0], "the epoch was not checked for completeness"
+    return report.final_step, report.samples_per_epoch[0]
 
 
 @pytest.mark.parametrize("transport", ["gloo", "shm"])

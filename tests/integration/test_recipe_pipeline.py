@@ -39,6 +39,7 @@ def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, ti
     assert report.ok, report.problems
     assert report.final_step == 3 * report.batches
     assert sorted(report.samples_per_epoch) == [0, 1]
+    assert report.finished_epochs == [0, 1]  # and every sample of each was trained exactly once
     lrs = [r["values"]["lr"] for r in job.metrics() if r["source"] == "drafter/d0"]
     assert lrs[-1] < 0.5 * max(lrs)  # the schedule decayed over the plan although max_steps = 0
     state = json.loads((run_dir / "checkpoints" / "d0" / (run_dir / "checkpoints" / "d0" / "latest").read_text().strip()

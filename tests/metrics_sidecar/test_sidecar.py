@@ -343,7 +343,7 @@ class FlakyRun:
     def define_metric(self, name, step_metric=None):
         self.defined.append((name, step_metric))
 
-    def log(self, row):
+    def log(self, row, step=None, commit=None):
         if self.log_failures > 0:
             self.log_failures -= 1
             raise ConnectionError("W&B is down")

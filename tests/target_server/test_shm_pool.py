@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -12,11 +9,11 @@ import torch
 
 from common import protocol as P
 from common.packing import BatchLayout
-from common.shm_transport import SHM_DIR, ShmRing, segment_name, unlink_segment
+from common.shm_transport import SHM_DIR, ShmRing, liveness_name, segment_name, unlink_segment
 from common.transport import TransportError
 from drafter_worker.worker import _check_slot_kept
 from target_server.scheduler import BatchScheduler, ReadyBatch
-from target_server.shm_pool import ShmBatchPool, process_gone
+from target_server.shm_pool import ShmBatchPool
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")]
 
@@ -107,9 +104,18 @@ def test_a_pinned_slot_is_not_captured_into_until_released(pool):
     assert third is not None and third.shm_slot == first.shm_slot
 
 
-def test_process_gone_tells_a_dead_pid_from_a_live_one():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    assert process_gone(proc.pid)
-    assert not process_gone(0)  # unknown: treated as alive (keep the slots a while)
-    assert not process_gone(os.getpid())
+def test_a_reader_is_alive_while_it_holds_the_pool_and_gone_once_it_closes(pool):
+    # Regression: a pid check freed a live drafter's slots at once when its pid was not
+    # visible (another PID namespace), and the drafter then trained on a torn batch.
+    assert not pool.reader_alive("d0", 1)  # never attached: it never read a slot
+    reader = ShmRing.attach(pool.name, pool.slot_bytes, pool.slots_per_bucket)
+    try:
+        reader.hold_liveness("d0", 1)
+        assert pool.reader_alive("d0", 1)
+        assert not pool.reader_alive("d0", 2) and not pool.reader_alive("d1", 1)  # per registration
+        pool.forget_reader("d0", 1)  # the target dropped the registration: file gone, lock kept
+        assert not (SHM_DIR / liveness_name(pool.name, "d0", 1)).exists()
+        pool.forget_reader("d0", 1)  # idempotent
+    finally:
+        reader.close()
+    assert not pool.reader_alive("d0", 1)
