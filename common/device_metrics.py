@@ -38,6 +38,7 @@ class DeviceAccumulators:
             offset += size
         self._values = torch.zeros(offset, dtype=torch.float32, device=self.device)
         self._staging = torch.zeros_like(self._values)
+        self.device = self._values.device  # with its index: a bare "cuda" is whichever GPU was current here
         cuda = self.device.type == "cuda"
         # Host memory filled by an event-tracked copy: reading it in poll() is not a device read.
         self._host = mark_host(torch.zeros(offset, dtype=torch.float32, pin_memory=cuda))
@@ -67,8 +68,10 @@ class DeviceAccumulators:
         self._staging.copy_(self._values)
         self._values.zero_()
         if self._copy_stream is not None:
+            # On this device's current stream: a bare record() would use the calling
+            # thread's current device, which need not be this one.
             compute_done = torch.cuda.Event()
-            compute_done.record()
+            compute_done.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(compute_done)
                 self._host.copy_(self._staging, non_blocking=True)

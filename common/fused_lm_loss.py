@@ -47,6 +47,7 @@ argmax would pick the NaN; here a NaN never wins the argmax).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -290,6 +291,7 @@ def _lm_head_stats_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     """Per-row partial (max, sum exp, argmax, target logit) over one vocabulary split.
 
@@ -329,6 +331,9 @@ def _lm_head_stats_kernel(
                 mask=col_ok[None, :] & h_ok[:, None],
                 other=0.0,
             )
+            if UPCAST_DOT:  # the interpreter's dot multiplies bf16 as raw integers; fp32 is exact here
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
             logits = tl.dot(x, w, logits, input_precision=INPUT_PRECISION)
         # Round to the head's dtype like the reference (F.linear in that dtype, then .float()).
         logits = logits.to(w_ptr.dtype.element_ty).to(tl.float32)
@@ -413,12 +418,16 @@ def _triton_stats(
         precision = "ieee"  # match torch's fp32 matmul
     else:
         precision = "tf32"  # TF32 allowed, or 16-bit inputs (where it is ignored)
-    _lm_head_stats_kernel[(row_blocks, splits)](
-        x, weight, labels, m_part, s_part, arg_part, tgt_part,
-        n, vocab, h, x.stride(0), weight.stride(0), v_per_split,
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, INPUT_PRECISION=precision,
-        num_warps=num_warps,
-    )  # fmt: skip
+    # Triton launches on the *current* device and its current stream, not the
+    # tensors' device: on a thread whose current device is another GPU the kernel
+    # would run there with this GPU's pointers.
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _lm_head_stats_kernel[(row_blocks, splits)](
+            x, weight, labels, m_part, s_part, arg_part, tgt_part,
+            n, vocab, h, x.stride(0), weight.stride(0), v_per_split,
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, INPUT_PRECISION=precision,
+            UPCAST_DOT=_INTERPRETED and weight.dtype == torch.bfloat16, num_warps=num_warps,
+        )  # fmt: skip
     # Merge the vocabulary splits.
     m = m_part.max(dim=0).values
     lse = m + torch.log((s_part * torch.exp(m_part - m)).sum(dim=0))

@@ -102,11 +102,14 @@ class Hello(Message):
     # Proof that the sender holds the run's control key (common.auth): only the owner
     # of a drafter id can register it, so a stranger cannot take over a live drafter.
     auth: str = optional("")
+    # The drafter's GPU (torch.cuda.get_device_properties(d).uuid) when it uses nccl: two
+    # ranks of one pair on the same physical GPU are refused by NCCL, so the target refuses first.
+    gpu_uuid: str = optional("")
 
     def check_values(self) -> None:
         for name in ("drafter_id", "group"):
             _require(NAME.fullmatch(getattr(self, name)) is not None, f"HELLO.{name} must match {NAME.pattern}")
-        for name in ("config_hash", "transport", "auth"):
+        for name in ("config_hash", "transport", "auth", "gpu_uuid"):
             _require(len(getattr(self, name)) <= MAX_TEXT, f"HELLO.{name} is longer than {MAX_TEXT}")
         _require(0 < self.pid < MAX_PID, f"HELLO.pid must be in (0, {MAX_PID})")
         _require(0 <= self.step < MAX_INT, "HELLO.step must be >= 0")
@@ -160,6 +163,11 @@ class Welcome(Message):
     # Content hash of the tokenized training set, tokenizer and chat template
     # (target_server.data.fingerprint): a checkpoint made on other data refuses to resume.
     data_fingerprint: str = optional("")
+    # The target's GPU when it uses nccl (as HELLO.gpu_uuid): a drafter on the same GPU refuses.
+    gpu_uuid: str = optional("")
+
+    def check_values(self) -> None:
+        _require(len(self.gpu_uuid) <= MAX_TEXT, f"WELCOME.gpu_uuid is longer than {MAX_TEXT}")
 
 
 @dataclass

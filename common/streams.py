@@ -26,8 +26,11 @@ class SideStream:
     """One thread's stream on ``device`` (None on the CPU)."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        # Created on ``device`` itself (not the calling thread's current device);
+        # a bare "cuda" takes the current device's index here, once, so the stream
+        # and the default stream it waits on are the same GPU's on every thread.
         self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device = self.stream.device if self.stream is not None else device
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

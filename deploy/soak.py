@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restart-every-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-growth-mb", type=float, default=200.0,
-                        help="fail when a process ends with more resident memory than this above its first steady state")
+                        help="fail when a process ends with more resident memory than this above the steady state "
+                             "read one period after start")
     args = parser.parse_args(argv)
     overrides = ["run.name=\"soak\"", "drafter.max_steps=0"]
     cfg = load_config(args.config, overrides)
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     names = ["metrics", "target", *ids]
     procs = {name: _start(*_command(name, ids, common), logs) for name in names}
-    time.sleep(60)  # let the target load and everything reach steady state
+    # The target loads its model; drafters build theirs and allocate their buffers over the
+    # first steps: the memory baseline is read once all of that is behind them.
+    time.sleep(60 + args.restart_every_s)
     start_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
     print("soak: resident memory at start (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in start_rss.items()), flush=True)
     deadline = time.monotonic() + 60 * args.minutes

@@ -28,13 +28,16 @@ import zmq
 from common import protocol as P
 from common.auth import hello_proof, load_or_create_control_key
 from common.config import Config
+from common.devices import head_dtype, use_device
 from common.dflash_model import DFlashDrafter, init_feature_scale, init_logit_scale, make_drafter_config
 from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.shm_transport import ShmRing
 from common.streams import SideStream, record_current, wait_current
-from common.transport import DRAFTER_RANK, PairGroup, TransportError, connect_store, local_address_towards
+from common.transport import (
+    DRAFTER_RANK, PairGroup, TransportError, connect_store, gpu_uuid, local_address_towards, same_gpu_refusal,
+)
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
 from drafter_worker.trainer import MAX_NONFINITE_STREAK, DrafterTrainer, make_optimizer, summarize
 
@@ -94,24 +97,29 @@ class Receiver(threading.Thread):
         self.ready: queue.Queue[tuple[P.Batch, torch.Tensor, object] | TransportError] = queue.Queue()
 
     def run(self) -> None:
-        stream = SideStream(self.device)
-        stream.wait_default()  # buffers allocated (zeroed) on the default stream
-        while True:
-            item = self.inbox.get()
-            if item is None:
-                return
-            meta, buf, free_event = item
-            try:
+        # Every failure ends on ``ready`` as a TransportError (the drop/re-register path):
+        # a receive thread that died silently would leave the training loop waiting forever.
+        try:
+            use_device(self.device)  # a new thread starts on GPU 0
+            stream = SideStream(self.device)
+            stream.wait_default()  # buffers allocated (zeroed) on the default stream
+            while True:
+                item = self.inbox.get()
+                if item is None:
+                    return
+                meta, buf, free_event = item
                 stream.wait(free_event)
                 with stream.active():
                     if self.ring is None:
                         self.pair.recv(buf[: meta.nbytes], meta.tag)
                     else:
                         buf = self._from_ring(meta, buf)
-            except TransportError as exc:
-                self.ready.put(exc)
-                return
-            self.ready.put((meta, buf, stream.record()))
+                self.ready.put((meta, buf, stream.record()))
+        except TransportError as exc:
+            self.ready.put(exc)
+        except Exception as exc:
+            logger.warning("[receive] unexpected failure of the receive thread", exc_info=True)
+            self.ready.put(TransportError(f"receive thread failed: {type(exc).__name__}: {exc}"))
 
     def _from_ring(self, meta: P.Batch, buf: torch.Tensor) -> torch.Tensor:
         ring = self.ring
@@ -228,6 +236,7 @@ class DrafterWorker:
     # ---------------------------------------------------------------- outer loop
     def run(self) -> str:
         """Train until max_steps, the end of the data, or a stop request; returns why it ended."""
+        use_device(self.device)  # before any CUDA work of this process (the current device is per thread)
         backoff = 0.5
         while not self._stop.is_set():
             try:
@@ -264,7 +273,8 @@ class DrafterWorker:
                 # Before the data plane forms: the target does not hold an unpaired
                 # registration to the heartbeat timeout, so slow start-up is not fatal.
                 start = time.perf_counter()
-                stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device)
+                stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device,
+                                       dtype=head_dtype(self.device, dtype_from_name(welcome.dtype)))  # as the real head
                 self.trainer.warm_up([tuple(b) for b in welcome.buckets], self.trainer.model.feature_size,
                                      stand_in, stand_in)
                 del stand_in
@@ -275,6 +285,9 @@ class DrafterWorker:
             if self.transport == "shm":
                 ring = self._attach_shm(welcome)
             else:
+                # A target that predates HELLO.gpu_uuid does not check: refuse here too.
+                if refusal := same_gpu_refusal(self.transport, welcome.gpu_uuid, gpu_uuid(self.device), self.dcfg.id):
+                    raise FatalError(refusal)
                 store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
                 pair = PairGroup(
                     kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK,
@@ -327,6 +340,7 @@ class DrafterWorker:
             covered_extra=sorted(coverage.extra), step=self.state.step if self.state else 0,
             # Read at every HELLO: whichever process of the run starts first creates the key.
             auth=hello_proof(load_or_create_control_key(self.run_dir), self.dcfg.id),
+            gpu_uuid=gpu_uuid(self.device) if self.transport == "nccl" else "",
         )
 
     def _handshake(self, sock: zmq.Socket) -> P.Welcome:
@@ -465,7 +479,8 @@ class DrafterWorker:
         buf = layout.allocate(self.device)
         pair.recv(buf, tag=0)
         embed, head = layout.views(buf)
-        self._embed, self._head = embed.float(), head.float()
+        dtype = head_dtype(self.device, layout.dtype)  # the wire dtype on a GPU (no fp32 copy), fp32 on the CPU
+        self._embed, self._head = embed.to(dtype), head.to(dtype)
 
     def _attach_shm(self, welcome: P.Welcome) -> ShmRing:
         """Map the target's batch pool and copy the frozen weights from its weights segment."""
@@ -480,8 +495,9 @@ class DrafterWorker:
             weights.wait_ready(0, 0, 1, timeout_s, stop=self._stop)
             embed, head = layout.views(weights.payload(0, 0))
             # Own copies: the segment is the target's, shared with every drafter.
-            self._embed = embed.to(self.device, torch.float32, copy=True)
-            self._head = self._embed if welcome.embed_tied else head.to(self.device, torch.float32, copy=True)
+            dtype = head_dtype(self.device, layout.dtype)  # the wire dtype on a GPU (no fp32 copy), fp32 on the CPU
+            self._embed = embed.to(self.device, dtype, copy=True)
+            self._head = self._embed if welcome.embed_tied else head.to(self.device, dtype, copy=True)
         finally:
             weights.close()
         ring = ShmRing.attach(welcome.shm_name, welcome.shm_slot_bytes, welcome.shm_slots_per_bucket)

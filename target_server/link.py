@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.devices import use_device
 from common.streams import SideStream
 from common.transport import TARGET_RANK, PairGroup, TransportError, connect_store
 from target_server.scheduler import ReadyBatch
@@ -92,6 +93,7 @@ class DrafterLink(LinkThread):
         self._weights = weights
         self._local_host = local_host
         self._pair: PairGroup | None = None
+        self._abort_thread: threading.Thread | None = None
 
     @property
     def paired(self) -> bool:
@@ -102,11 +104,13 @@ class DrafterLink(LinkThread):
         self._outbox.put((ready, tag))
 
     def run(self) -> None:
+        use_device(self._device)  # a new thread starts on GPU 0 (NCCL, streams and events use the current device)
         try:
             # A client connection of its own: a store client serializes its requests,
             # so a pair that never forms would otherwise block every other pair's rendezvous.
             host, port = self._store_address
             store = connect_store(host, port, self._timeout_s)
+            # Returns once the drafter has joined (a one-element handshake), bounded.
             self._pair = PairGroup(
                 kind=self._transport,
                 store=store,
@@ -132,21 +136,38 @@ class DrafterLink(LinkThread):
                     with stream.active():
                         # Returns once the transfer is complete, so "sent" frees the buffer.
                         self._pair.send(ready.buffer[: ready.layout.nbytes], tag)
-                except TransportError:
-                    self._events.put(LinkEvent(self, "failed", ready, "send failed"))
+                except Exception as exc:
+                    # Whatever failed, the batch goes back (released by the control thread).
+                    self._events.put(LinkEvent(self, "failed", ready, f"send failed: {exc}"))
                     raise
                 # Device-side end of the send: whether or not NCCL's wait blocked this thread,
                 # a capture into this buffer orders itself after this event.
                 self._events.put(LinkEvent(self, "sent", ready, nbytes=ready.layout.nbytes,
                                            seconds=time.perf_counter() - start, done_event=stream.record()))
-        except TransportError as exc:
+        except Exception as exc:
+            # Every failure, not only TransportError, drops this registration the same way:
+            # a thread that died without a "failed" event would leave its drafter registered.
             if not self._stopped.is_set():
-                self._events.put(LinkEvent(self, "failed", error=str(exc)))
+                if not isinstance(exc, TransportError):
+                    logger.warning("[link] %s: unexpected data-plane failure", self.prefix, exc_info=True)
+                self._events.put(LinkEvent(self, "failed", error=str(exc) or type(exc).__name__))
         finally:
             self._drain_unsent()
+            if self._pair is not None:
+                # Stopped or failed, the pair is done (also one that formed while stop() ran,
+                # which stop() could not see). Here, a slow abort holds up only this link.
+                self._pair.abort()
+            if self._abort_thread is not None:
+                self._abort_thread.join(self._timeout_s)
 
     def stop(self) -> None:
-        """Abort the pair without waiting for the peer; the thread exits promptly."""
+        """Abort the pair without waiting for the peer; returns at once.
+
+        The abort runs on a helper thread (ncclCommAbort can block behind another pair's
+        kernels, and this is called on the control thread, which sends every heartbeat).
+        The link thread joins that helper (bounded) before it ends.
+        """
         self._signal_stop()
-        if self._pair is not None:
-            self._pair.abort()
+        pair = self._pair
+        if pair is not None and self._abort_thread is None:
+            self._abort_thread = pair.abort_in_background()

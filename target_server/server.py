@@ -28,13 +28,14 @@ import zmq
 from common import protocol as P
 from common.auth import hello_proof, load_or_create_control_key, proof_ok, status_proof
 from common.config import Config
+from common.devices import use_device
 from common.dflash_model import build_target_layer_ids
 from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
 from common.shm_transport import ShmRing, segment_name, sweep_stale
 from common.streams import SideStream
-from common.transport import TransportError, host_store, local_address_towards
+from common.transport import TransportError, gpu_uuid, host_store, local_address_towards, same_gpu_refusal
 from target_server.admission import PeerRateLimiter
 from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
 from target_server.capture import LayerCapture
@@ -126,6 +127,7 @@ class TargetServer:
 
     # ---------------------------------------------------------------- start-up
     def start(self) -> None:
+        use_device(self.device)  # before any CUDA work (the current device is per thread; new ones start on GPU 0)
         cfg = self.cfg
         if cfg.target.threads:
             torch.set_num_threads(cfg.target.threads)
@@ -249,6 +251,7 @@ class TargetServer:
 
     # ---------------------------------------------------------------- capture thread
     def _capture_loop(self) -> None:
+        use_device(self.device)  # a new thread starts on GPU 0
         pad_id = self.loaded.pad_token_id
         # The capture runs on a stream of its own, so the links' sends (each on its own
         # stream, ordered after a batch by its ready_event) overlap the next forward.
@@ -452,6 +455,10 @@ class TargetServer:
             logger.warning("[hello] refused %s", message)
             self._send(identity, P.Error(P.E_TRANSPORT, message))
             return
+        if message := same_gpu_refusal(self.transport, gpu_uuid(self.device), hello.gpu_uuid, hello.drafter_id):
+            logger.warning("[hello] refused %s", message)
+            self._send(identity, P.Error(P.E_TRANSPORT, message))
+            return
         total = self.scheduler.total_batches
         if total is not None and not (hello.covered_watermark <= total and all(i < total for i in hello.covered_extra)):
             self._complain(identity, None, P.E_RANGE, f"HELLO coverage lies beyond the plan's {total} batches")
@@ -519,6 +526,7 @@ class TargetServer:
             batches_per_epoch=self.plan.batches_per_epoch,
             train_samples=len(self.dataset.train),
             data_fingerprint=self.data_fingerprint,
+            gpu_uuid=gpu_uuid(self.device) if self.transport == "nccl" else "",
             **shm,
         ))
         logger.info(

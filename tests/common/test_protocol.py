@@ -17,6 +17,7 @@ SAMPLES: dict[str, P.Message] = {
     "HELLO": P.Hello(
         drafter_id="d0", group="g0", config_hash="0123456789abcdef", transport="gloo", pid=4242,
         covered_watermark=17, covered_extra=[19, 23], step=40, auth="e" * 64,
+        gpu_uuid="GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
     ),
     "WELCOME": P.Welcome(
         model_id="smollm2", hidden_size=576, num_target_layers=30, target_layer_ids=[1, 7, 14, 20, 27],
@@ -27,7 +28,7 @@ SAMPLES: dict[str, P.Message] = {
         pair_prefix="pair/d0/3", registration_epoch=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=15.0,
         shm_name="dflash.42.ring.d0.3", shm_slot_bytes=[1024, 2048, 4096], shm_slots_per_bucket=4,
         shm_weights_name="dflash.42.weights", plan_batches=300, batches_per_epoch=100, token_ranking=[5, 3, 9],
-        train_samples=1000, data_fingerprint="ab" * 16,
+        train_samples=1000, data_fingerprint="ab" * 16, gpu_uuid="GPU-9f8e7d6c-5b4a-3928-1706-f5e4d3c2b1a0",
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
@@ -97,10 +98,10 @@ def test_encode_is_plain_msgpack(name):
 # that leaves them at their defaults must encode exactly as before they existed,
 # so a peer built before them still decodes it.
 @pytest.mark.parametrize("name,added", [
-    ("BATCH", {"slot"}), ("HEARTBEAT", {"capture_stalled_s"}), ("STATUS_REQUEST", {"auth"}), ("HELLO", {"auth"}),
+    ("BATCH", {"slot"}), ("HEARTBEAT", {"capture_stalled_s"}), ("STATUS_REQUEST", {"auth"}), ("HELLO", {"auth", "gpu_uuid"}),
     ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name",
                                      "plan_batches", "batches_per_epoch", "token_ranking",
-                                     "train_samples", "data_fingerprint"}),
+                                     "train_samples", "data_fingerprint", "gpu_uuid"}),
 ])
 def test_fields_added_later_are_left_out_at_their_defaults(name, added):
     msg = dataclasses.replace(SAMPLES[name], **{f.name: f.default if f.default is not dataclasses.MISSING
