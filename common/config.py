@@ -93,7 +93,7 @@ class SecurityConfig:
 class TransportConfig:
     kind: str = _doc("data plane: 'auto' (nccl on CUDA, gloo on CPU), 'nccl', 'gloo' or 'shm' (same host, shared memory)", "auto")
     timeout_s: float = _doc("bound on every data-plane wait (pair formation, send, receive)", 60.0)
-    shm_slots_per_bucket: int = _doc("shm: pool slots per length bucket beyond target.ready_batches, for batches drafters still read in place (cover their credits together)", 4)
+    shm_slots_per_bucket: int = _doc("shm: pool slots per length bucket beyond target.ready_batches, for batches drafters hold until their ACK (cover their credits together)", 4)
 
     def __post_init__(self) -> None:
         _require(self.kind in ("auto", "nccl", "gloo", "shm"), "transport.kind", "must be one of auto, nccl, gloo, shm", self.kind)

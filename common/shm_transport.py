@@ -1,4 +1,4 @@
-"""Data plane on one host: slots of shared memory, written by the target and read in place by drafters.
+"""Data plane on one host: slots of shared memory, written by the target and copied out by drafters.
 
 The target keeps its batch buffers in one such segment (``target_server/shm_pool.py``)
 and its frozen embedding/LM-head weights in another.
@@ -13,7 +13,7 @@ Layout (every offset a multiple of 64)::
         payload: slot_bytes[b] rounded up to 64
 
 The writer fills a payload, then stores its tag (:meth:`ShmRing.publish`); the
-reader polls the tag (:meth:`ShmRing.wait_ready`) and reads the payload in place.
+reader polls the tag (:meth:`ShmRing.wait_ready`) and reads the payload where it lies.
 The control plane says which slot and tag to expect (``BATCH.slot``/``tag``)
 and frees the slot (``ACK``), so a slot is never written while it is read;
 a reader that checks the tag again after reading detects a slot that was

@@ -7,7 +7,7 @@ Threads:
   plane or the model.
 - capture: asks the scheduler which batch some group needs, runs the target
   forward into a pre-allocated bucket buffer (transport "shm": a slot of the
-  shared batch pool, which drafters read in place), publishes it.
+  shared batch pool, which drafters copy out), publishes it.
 - one link thread per registration (gloo/NCCL): forms the pair group and sends
   buffers. With shm there is nothing to send: the BATCH names the pool slot.
 """
@@ -214,7 +214,7 @@ class TargetServer:
         logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
 
     def _create_shm_pool(self) -> None:
-        """The batch buffers in shared memory: captured into in place, read in place by the drafters."""
+        """The batch buffers in shared memory: captured into in place, copied out by the drafters."""
         if self.device.type != "cpu":
             raise StartupError(
                 f"transport shm needs the target on the CPU (its batch buffers are host shared memory), "
@@ -591,7 +591,7 @@ class TargetServer:
                 if ready is None:
                     break
                 if ready.shm_slot >= 0:
-                    # shm: the drafter reads the pool slot in place; it stays pinned until the ACK.
+                    # shm: the drafter copies the pool slot out; it stays pinned until the ACK.
                     tag, slot = ready.shm_tag, ready.shm_slot
                     reg.held[ready.plan_index] = ready
                     with self._stats_lock:

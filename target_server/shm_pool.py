@@ -1,11 +1,11 @@
-"""The target's batch buffers in shared memory (transport "shm"): zero copies between capture and training.
+"""The target's batch buffers in shared memory (transport "shm"): no transfer between capture and training.
 
 With the shm transport the scheduler's per-bucket buffers *are* the slots of
 one :class:`common.shm_transport.ShmRing` segment per target process. The
 capture hooks write a batch straight into a slot, the target publishes the
 slot's tag, and every drafter that is sent the batch (one per group: a batch is
-captured once for all groups) reads that same slot in place. Nothing is copied
-by the transport.
+captured once for all groups) copies that same slot out (one memcpy, then a
+tag check that proves the copy whole). Nothing is sent over a socket.
 
 A slot stays pinned in the scheduler from dispatch until the drafter ACKs the
 batch (one pin per drafter it was sent to), so it is never recaptured while it
