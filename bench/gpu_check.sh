@@ -24,45 +24,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$OUT"
-if [[ -n "${PYTHON:-}" ]]; then
-    PY="$PYTHON"
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then
-    PY="$ROOT/.venv/bin/python"
-else
-    PY="$(command -v python3 || command -v python)"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+SECTION_DIR="$OUT"
+source "$ROOT/bench/gpu_lib.sh"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-
-STARTED=$SECONDS
-declare -a SUMMARY=()
-FAILED=0
-
-section() {
-    echo
-    echo "=== [$(date +%T), +$((SECONDS - STARTED))s] $* ==="
-}
-
-# run NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, show its tail, record the outcome.
-run() {
-    local name="$1" limit="$2"
-    shift 2
-    section "$name (limit ${limit}s): $*"
-    local start=$SECONDS rc=0
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
-    tail -n 25 "$OUT/$name.log"
-    local outcome="ok"
-    if ((rc == 124 || rc == 137)); then
-        outcome="TIMED OUT after ${limit}s"
-    elif ((rc != 0)); then
-        outcome="FAILED (exit $rc)"
-    fi
-    if [[ "$outcome" != ok ]]; then
-        FAILED=1
-    fi
-    SUMMARY+=("$(printf '%-13s %-26s %4ss  log %s' "$name" "$outcome" "$((SECONDS - start))" "$OUT/$name.log")")
-}
 
 section "environment ($PY, OUT=$OUT)"
 if ! "$PY" - <<'EOF' 2>&1 | tee "$OUT/environment.log"; then

@@ -34,46 +34,14 @@ mkdir -p "$OUT/sections"
 OUT="$(cd "$OUT" && pwd)"
 LOG="$OUT/gpu_pair_check.log"
 exec > >(tee "$LOG") 2>&1
-if [[ -n "${PYTHON:-}" ]]; then
-    PY="$PYTHON"
-elif [[ -x "$ROOT/.venv/bin/python" ]]; then
-    PY="$ROOT/.venv/bin/python"
-else
-    PY="$(command -v python3 || command -v python)"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+SECTION_DIR="$OUT/sections"
+source "$ROOT/bench/gpu_lib.sh"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"  # NCCL's own reason for a refusal lands in the section's log
 # Install what the checks import when the machine lacks it (a bare device machine).
 if ! "$PY" -c "import torch, zmq, msgpack" 2>/dev/null; then
     echo "installing missing packages (torch, pyzmq, msgpack) ..."
     "$PY" -m pip install -q torch pyzmq msgpack || echo "WARNING: pip install failed"
 fi
-
-STARTED=$SECONDS
-declare -a SUMMARY=()
-FAILED=0
-
-# run NAME LIMIT_S COMMAND...: run with a time limit, log to sections/NAME.log, show it, record the outcome.
-run() {
-    local name="$1" limit="$2"
-    shift 2
-    echo
-    echo "=== [$(date +%T), +$((SECONDS - STARTED))s] $name (limit ${limit}s): $* ==="
-    local rc=0 start=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/sections/$name.log" 2>&1 || rc=$?
-    tail -n 40 "$OUT/sections/$name.log"
-    local outcome="ok"
-    if ((rc == 124 || rc == 137)); then
-        outcome="TIMED OUT after ${limit}s"
-    elif ((rc != 0)); then
-        outcome="FAILED (exit $rc)"
-    elif grep -q "^.*SKIP" "$OUT/sections/$name.log"; then
-        outcome="ok (skip: see log)"
-    fi
-    [[ "$outcome" == ok* ]] || FAILED=1
-    SUMMARY+=("$(printf '%-16s %-28s %4ss' "$name" "$outcome" "$((SECONDS - start))")")
-}
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "no CUDA device visible: nothing to check here (the gloo paths are covered by tests/common/test_pair_errors.py)"
