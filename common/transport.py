@@ -28,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.devices import use_device
+
 logger = logging.getLogger(__name__)
 
 TARGET_RANK = 0
@@ -228,8 +230,7 @@ class PairGroup:
 
         def exchange() -> None:
             try:
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)
+                use_device(self.device)  # a new thread starts on device 0
                 if self.rank == TARGET_RANK:
                     self.send(token, HANDSHAKE_TAG)
                 else:
@@ -246,9 +247,10 @@ class PairGroup:
                                  "(transport.timeout_s)")
         if outcome[0] is not None:
             raise TransportError(f"forming the {self.kind} pair {self.prefix} failed: {outcome[0]}") from None
-        if self.rank != TARGET_RANK and int(token.item()) != 1 + TARGET_RANK:
-            raise TransportError(f"pair {self.prefix}: the handshake carried {int(token.item())}, "
-                                 f"expected {1 + TARGET_RANK}")
+        if self.rank != TARGET_RANK:
+            carried = int(token.item())  # once per pair formation, never per batch
+            if carried != 1 + TARGET_RANK:
+                raise TransportError(f"pair {self.prefix}: the handshake carried {carried}, expected {1 + TARGET_RANK}")
 
     def send(self, buf: torch.Tensor, tag: int) -> None:
         """Send ``buf`` to the peer and wait (bounded) until the transfer is done."""

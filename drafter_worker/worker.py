@@ -528,7 +528,6 @@ class DrafterWorker:
         last_heard = time.monotonic()
         next_hb = time.monotonic()
         idle_since = time.monotonic()
-        pending_ack: list[int] = []
         while True:
             now = time.monotonic()
             if self._stop.is_set():
@@ -547,16 +546,7 @@ class DrafterWorker:
                 if isinstance(msg, P.Heartbeat) and msg.capture_stalled_s > 0:
                     raise TargetUnavailable(f"the target's capture has made no progress for {msg.capture_stalled_s:.0f}s")
                 if isinstance(msg, P.Batch):
-                    layout = layouts.setdefault(
-                        msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
-                    )
-                    pool = buffers.setdefault(msg.bucket, [])
-                    if pool:
-                        buf, free_event = pool.pop()
-                    else:
-                        buf = layout.allocate(self.device)
-                        free_event = record_current(self.device)
-                    receiver.inbox.put((msg, buf, free_event))
+                    self._post_receive(msg, receiver, buffers, layouts)
                     inflight += 1
                     inflight_credits -= 1
                 elif isinstance(msg, P.Done):
@@ -583,44 +573,66 @@ class DrafterWorker:
             meta, buf, ready_event = item
             inflight -= 1
             wait_s = time.monotonic() - idle_since
-            features, input_ids, loss_mask, lengths = layouts[meta.bucket].views(buf)
             start = time.perf_counter()
             wait_current(self.device, ready_event)  # device-side: the receive's stream filled buf
-            if self._scale_features:
-                init_feature_scale(trainer.model, features, lengths)
-                self._scale_features = False
-                logger.info("[model] fc columns scaled by 1/RMS of each feature dimension of the first batch")
-            first_step = trainer.step + 1
-            # steps_per_batch optimizer steps, each on freshly sampled anchors (never past max_steps).
-            steps = self.dcfg.steps_per_batch
-            if self.dcfg.max_steps:
-                steps = max(1, min(steps, self.dcfg.max_steps - trainer.step))
-            for _ in range(steps):
-                lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
+            first_step, lr = self._train_batch(layouts[meta.bucket].views(buf))
             compute_s = time.perf_counter() - start
             if self._first_step_at is None:
                 self._first_step_at = time.monotonic()
             idle_since = time.monotonic()
             # Reusable once the step just issued has read it (device-side order).
             buffers[meta.bucket].append((buf, record_current(self.device)))
-            self.state.coverage.add(meta.batch_id)
-            self.state.step = trainer.step
-            self.state.tokens_trained += meta.num_tokens
-            self.ledger.trained(trainer.step, meta.batch_id, meta.epoch, meta.sample_ids, first_step=first_step)
-            pending_ack.append(meta.batch_id)
+            self._record_trained(meta, first_step)
             self._account(meta, lr, wait_s, compute_s, first_step - 1)
             if _crossed(first_step - 1, trainer.step, self.dcfg.checkpoint_every_steps):
                 # The target keeps hearing from us however long the save takes.
                 self._checkpoint(heartbeat=lambda: sock.send(P.Heartbeat(step=trainer.step).encode()),
                                  heartbeat_every_s=hb_every)
-            sock.send(P.Ack(batch_ids=pending_ack, step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
-            pending_ack = []
+            sock.send(P.Ack(batch_ids=[meta.batch_id], step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
             # Keep (in flight + unused credits) at the configured credits, but never ask past max_steps.
             granted = inflight + inflight_credits
             past_budget = self.dcfg.max_steps and trainer.step + granted * self.dcfg.steps_per_batch >= self.dcfg.max_steps
             if not past_budget and granted < self.dcfg.credits:
                 sock.send(P.Request(credits=1).encode())
                 inflight_credits += 1
+
+    def _post_receive(self, msg: P.Batch, receiver: Receiver, buffers: dict, layouts: dict) -> None:
+        """Hand the receiver a free buffer of the batch's bucket (allocated on first use) to fill."""
+        layout = layouts.setdefault(
+            msg.bucket, BatchLayout(msg.batch_size, msg.seq_len, msg.feature_dim, dtype_from_name(msg.dtype))
+        )
+        pool = buffers.setdefault(msg.bucket, [])
+        if pool:
+            buf, free_event = pool.pop()
+        else:
+            buf = layout.allocate(self.device)
+            free_event = record_current(self.device)
+        receiver.inbox.put((msg, buf, free_event))
+
+    def _train_batch(self, views: tuple) -> tuple[int, float]:
+        """drafter.steps_per_batch optimizer steps on one batch, each on freshly sampled anchors
+        (never past max_steps); returns (first step number, last learning rate)."""
+        trainer = self.trainer
+        features, input_ids, loss_mask, lengths = views
+        if self._scale_features:
+            init_feature_scale(trainer.model, features, lengths)
+            self._scale_features = False
+            logger.info("[model] fc columns scaled by 1/RMS of each feature dimension of the first batch")
+        first_step = trainer.step + 1
+        steps = self.dcfg.steps_per_batch
+        if self.dcfg.max_steps:
+            steps = max(1, min(steps, self.dcfg.max_steps - trainer.step))
+        for _ in range(steps):
+            lr = trainer.train_step(features.float(), input_ids, loss_mask, lengths, self._embed, self._head)
+        return first_step, lr
+
+    def _record_trained(self, meta: P.Batch, first_step: int) -> None:
+        """The batch is in the weights: the data cursor and the ledger (durable with the next checkpoint)."""
+        step = self.trainer.step
+        self.state.coverage.add(meta.batch_id)
+        self.state.step = step
+        self.state.tokens_trained += meta.num_tokens
+        self.ledger.trained(step, meta.batch_id, meta.epoch, meta.sample_ids, first_step=first_step)
 
     def _checkpoint(self, heartbeat=None, heartbeat_every_s: float = 1.0) -> None:
         trainer = self.trainer

@@ -424,78 +424,92 @@ class TargetServer:
         logger.warning("[bad-message] %s: %s (%s); later offences of this peer are not logged", who, message, code)
 
     def _on_hello(self, identity: bytes, hello: P.Hello) -> None:
-        # First the proof (cheap, and nothing below is told to a stranger), then the rate limit.
-        if not proof_ok(hello_proof(self._control_key, hello.drafter_id), hello.auth):
-            self._complain(identity, None, P.E_AUTH,
-                           f"HELLO for drafter {hello.drafter_id} without the run's control key "
-                           f"(<run_dir>/auth/control.key, same run directory as the target)")
-            return
-        now = time.monotonic()
-        if now - self._last_hello.get(hello.drafter_id, -1e9) < 1.0:
-            self._complain(identity, None, P.E_BUSY, f"drafter {hello.drafter_id} re-registers too fast; retry in a second")
-            return
-        known = {r.drafter_id for r in self._regs.values()}
-        if hello.drafter_id not in known and len(known) >= self.cfg.control.max_drafters:
-            self._complain(identity, None, P.E_BUSY, f"target already serves control.max_drafters={len(known)} drafters")
-            return
-        self._last_hello[hello.drafter_id] = now
-        if len(self._last_hello) > 4 * self.cfg.control.max_drafters:
-            self._last_hello = {k: v for k, v in self._last_hello.items() if now - v < 1.0}
-        expected = self.cfg.shared_hash()
-        if hello.config_hash != expected:
-            message = (
-                f"config hash mismatch: drafter {hello.drafter_id} has {hello.config_hash}, target has {expected}; "
-                "start both from the same config file ([data] and [target] must match)"
-            )
-            logger.warning("[hello] refused %s", message)
-            self._send(identity, P.Error(P.E_CONFIG, message))
-            return
-        if hello.transport != self.transport:
-            message = f"transport mismatch: drafter {hello.drafter_id} uses {hello.transport}, target uses {self.transport}"
-            logger.warning("[hello] refused %s", message)
-            self._send(identity, P.Error(P.E_TRANSPORT, message))
-            return
-        if message := same_gpu_refusal(self.transport, gpu_uuid(self.device), hello.gpu_uuid, hello.drafter_id):
-            logger.warning("[hello] refused %s", message)
-            self._send(identity, P.Error(P.E_TRANSPORT, message))
-            return
-        total = self.scheduler.total_batches
-        if total is not None and not (hello.covered_watermark <= total and all(i < total for i in hello.covered_extra)):
-            self._complain(identity, None, P.E_RANGE, f"HELLO coverage lies beyond the plan's {total} batches")
+        if self._hello_refused(identity, hello):
             return
         for old in list(self._regs.values()):
             if old.drafter_id == hello.drafter_id or old.identity == identity:
                 self._drop(old, "replaced by a new registration")
         self._epoch_counter += 1
         epoch = self._epoch_counter
-        shm: dict = {}
-        if self._shm_pool is not None:
-            pool = self._shm_pool
-            prefix = pool.name
-            link = PoolLink(f"{hello.drafter_id}-{epoch}", pool.name)
-            shm = {"shm_name": pool.name, "shm_slot_bytes": pool.slot_bytes, "shm_slots_per_bucket": pool.slots_per_bucket,
-                   "shm_weights_name": self._shm_weights.name}
-        else:
-            # Unguessable: only the drafter told in WELCOME can join (or spoof) this pair.
-            prefix = f"pair/{secrets.token_hex(16)}/{epoch}"
-            link = DrafterLink(
-                name=f"{hello.drafter_id}-{epoch}", transport=self.transport,
-                store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
-                device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
-                events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
-            )
+        link, prefix, shm = self._new_link(hello.drafter_id, epoch)
         now = time.monotonic()
         reg = Registration(identity, hello.drafter_id, hello.group, epoch, link, hello.pid, now, now, now,
                            step=hello.step)
         self._regs[identity] = reg
         self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
         link.start()
+        self._send(identity, self._welcome(prefix, epoch, shm))
+        logger.info(
+            "[hello] drafter %s (group %s, pid %d) registered as epoch %d; covers < %d (+%d more), step %d",
+            hello.drafter_id, hello.group, hello.pid, epoch, hello.covered_watermark, len(hello.covered_extra), hello.step,
+        )
+
+    def _hello_refused(self, identity: bytes, hello: P.Hello) -> bool:
+        """Answer ERROR and return True when this HELLO may not register."""
+        # First the proof (cheap, and nothing below is told to a stranger), then the rate limit.
+        if not proof_ok(hello_proof(self._control_key, hello.drafter_id), hello.auth):
+            self._complain(identity, None, P.E_AUTH,
+                           f"HELLO for drafter {hello.drafter_id} without the run's control key "
+                           f"(<run_dir>/auth/control.key, same run directory as the target)")
+            return True
+        now = time.monotonic()
+        if now - self._last_hello.get(hello.drafter_id, -1e9) < 1.0:
+            self._complain(identity, None, P.E_BUSY, f"drafter {hello.drafter_id} re-registers too fast; retry in a second")
+            return True
+        known = {r.drafter_id for r in self._regs.values()}
+        if hello.drafter_id not in known and len(known) >= self.cfg.control.max_drafters:
+            self._complain(identity, None, P.E_BUSY, f"target already serves control.max_drafters={len(known)} drafters")
+            return True
+        self._last_hello[hello.drafter_id] = now
+        if len(self._last_hello) > 4 * self.cfg.control.max_drafters:
+            self._last_hello = {k: v for k, v in self._last_hello.items() if now - v < 1.0}
+        expected = self.cfg.shared_hash()
+        if hello.config_hash != expected:
+            return self._refuse(identity, P.E_CONFIG, (
+                f"config hash mismatch: drafter {hello.drafter_id} has {hello.config_hash}, target has {expected}; "
+                "start both from the same config file ([data] and [target] must match)"))
+        if hello.transport != self.transport:
+            return self._refuse(identity, P.E_TRANSPORT, (
+                f"transport mismatch: drafter {hello.drafter_id} uses {hello.transport}, target uses {self.transport}"))
+        if message := same_gpu_refusal(self.transport, gpu_uuid(self.device), hello.gpu_uuid, hello.drafter_id):
+            return self._refuse(identity, P.E_TRANSPORT, message)
+        total = self.scheduler.total_batches
+        if total is not None and not (hello.covered_watermark <= total and all(i < total for i in hello.covered_extra)):
+            self._complain(identity, None, P.E_RANGE, f"HELLO coverage lies beyond the plan's {total} batches")
+            return True
+        return False
+
+    def _refuse(self, identity: bytes, code: str, message: str) -> bool:
+        """A refusal an operator must see every time (a misconfigured drafter, not a flood)."""
+        logger.warning("[hello] refused %s", message)
+        self._send(identity, P.Error(code, message))
+        return True
+
+    def _new_link(self, drafter_id: str, epoch: int) -> tuple[DrafterLink | PoolLink, str, dict]:
+        """The registration's data plane: (link, WELCOME.pair_prefix, WELCOME's shm fields)."""
+        name = f"{drafter_id}-{epoch}"
+        if self._shm_pool is not None:
+            pool = self._shm_pool
+            shm = {"shm_name": pool.name, "shm_slot_bytes": pool.slot_bytes, "shm_slots_per_bucket": pool.slots_per_bucket,
+                   "shm_weights_name": self._shm_weights.name}
+            return PoolLink(name, pool.name), pool.name, shm
+        # Unguessable: only the drafter told in WELCOME can join (or spoof) this pair.
+        prefix = f"pair/{secrets.token_hex(16)}/{epoch}"
+        link = DrafterLink(
+            name=name, transport=self.transport,
+            store_address=(self.cfg.control.store_host, self.cfg.control.store_port), prefix=prefix,
+            device=self.device, timeout_s=self.cfg.transport.timeout_s, weights=self.weights_buf,
+            events=self._events, local_host=local_address_towards(self.cfg.control.store_host),
+        )
+        return link, prefix, {}
+
+    def _welcome(self, prefix: str, epoch: int, shm: dict) -> P.Welcome:
         cfg_model = self.loaded.config
         head_dim = getattr(cfg_model, "head_dim", None) or cfg_model.hidden_size // cfg_model.num_attention_heads
         rope_theta = getattr(cfg_model, "rope_theta", None)
         if rope_theta is None:
             rope_theta = (getattr(cfg_model, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        self._send(identity, P.Welcome(
+        return P.Welcome(
             model_id=self.loaded.model_id,
             hidden_size=self.loaded.hidden_size,
             num_target_layers=self.loaded.num_layers,
@@ -528,10 +542,6 @@ class TargetServer:
             data_fingerprint=self.data_fingerprint,
             gpu_uuid=gpu_uuid(self.device) if self.transport == "nccl" else "",
             **shm,
-        ))
-        logger.info(
-            "[hello] drafter %s (group %s, pid %d) registered as epoch %d; covers < %d (+%d more), step %d",
-            hello.drafter_id, hello.group, hello.pid, epoch, hello.covered_watermark, len(hello.covered_extra), hello.step,
         )
 
     def _drop(self, reg: Registration, why: str) -> None:
