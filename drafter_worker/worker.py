@@ -270,39 +270,15 @@ class DrafterWorker:
             welcome = self._handshake(sock)
             self._ensure_model(welcome)
             if not self._warmed_up:
-                # Before the data plane forms: the target does not hold an unpaired
-                # registration to the heartbeat timeout, so slow start-up is not fatal.
-                start = time.perf_counter()
-                stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device,
-                                       dtype=head_dtype(self.device, dtype_from_name(welcome.dtype)))  # as the real head
-                self.trainer.warm_up([tuple(b) for b in welcome.buckets], self.trainer.model.feature_size,
-                                     stand_in, stand_in)
-                del stand_in
-                self._warmed_up = True
-                logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets),
-                            time.perf_counter() - start)
+                self._warm_up(welcome)
             sock.send(P.Heartbeat(step=self.trainer.step).encode())
             if self.transport == "shm":
                 ring = self._attach_shm(welcome)
             else:
-                # A target that predates HELLO.gpu_uuid does not check: refuse here too.
-                if refusal := same_gpu_refusal(self.transport, welcome.gpu_uuid, gpu_uuid(self.device), self.dcfg.id):
-                    raise FatalError(refusal)
-                store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
-                pair = PairGroup(
-                    kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK,
-                    device=self.device, timeout_s=self.cfg.transport.timeout_s,
-                    local_host=local_address_towards(welcome.store_host),
-                )
+                pair = self._form_pair(welcome)
                 self._receive_weights(pair, welcome)
-            if self._fresh_model and self.dcfg.logit_std_init > 0:
-                factor = init_logit_scale(self.trainer.model, self._embed, self._head,
-                                          self.dcfg.logit_std_init, seed=self.dcfg.seed)
-                logger.info("[model] final norm scaled by %.4f: initial draft logits have std %.2f over the vocabulary",
-                            factor, self.dcfg.logit_std_init)
-            if self._fresh_model and self.dcfg.feature_scale_init:
-                self._scale_features = True  # from the first batch's features
-            self._fresh_model = False
+            if self._fresh_model:
+                self._initial_scales()
             receiver = Receiver(pair, ring, self.cfg.transport.timeout_s, self.device)
             receiver.start()
             outcome = self._train_loop(sock, receiver, welcome)
@@ -331,6 +307,37 @@ class DrafterWorker:
                 except zmq.ZMQError:
                     pass
             sock.close(linger=200 if said_bye else 0)
+
+    def _warm_up(self, welcome: P.Welcome) -> None:
+        """Run every bucket shape once. Before the data plane forms: the target does not hold an
+        unpaired registration to the heartbeat timeout, so a slow start-up is not fatal."""
+        start = time.perf_counter()
+        stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device,
+                               dtype=head_dtype(self.device, dtype_from_name(welcome.dtype)))  # as the real head
+        self.trainer.warm_up([tuple(b) for b in welcome.buckets], self.trainer.model.feature_size, stand_in, stand_in)
+        self._warmed_up = True
+        logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets), time.perf_counter() - start)
+
+    def _form_pair(self, welcome: P.Welcome) -> PairGroup:
+        # A target that predates HELLO.gpu_uuid does not check: refuse here too.
+        if refusal := same_gpu_refusal(self.transport, welcome.gpu_uuid, gpu_uuid(self.device), self.dcfg.id):
+            raise FatalError(refusal)
+        store = connect_store(welcome.store_host, welcome.store_port, self.cfg.transport.timeout_s)
+        return PairGroup(
+            kind=self.transport, store=store, prefix=welcome.pair_prefix, rank=DRAFTER_RANK,
+            device=self.device, timeout_s=self.cfg.transport.timeout_s,
+            local_host=local_address_towards(welcome.store_host),
+        )
+
+    def _initial_scales(self) -> None:
+        """A model built this run: logit scale now that the LM head is here, feature scale at the first batch."""
+        if self.dcfg.logit_std_init > 0:
+            factor = init_logit_scale(self.trainer.model, self._embed, self._head,
+                                      self.dcfg.logit_std_init, seed=self.dcfg.seed)
+            logger.info("[model] final norm scaled by %.4f: initial draft logits have std %.2f over the vocabulary",
+                        factor, self.dcfg.logit_std_init)
+        self._scale_features = self.dcfg.feature_scale_init
+        self._fresh_model = False
 
     def _hello(self) -> P.Hello:
         coverage = self.state.coverage if self.state else Coverage()
