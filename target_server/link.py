@@ -72,6 +72,10 @@ class LinkThread(threading.Thread):
 
 
 class DrafterLink(LinkThread):
+    """A registration's :class:`target_server.data_plane.Endpoint` for gloo/NCCL."""
+
+    pins_until_ack = False  # a buffer is free again once sent (LinkEvent "sent")
+
     def __init__(
         self,
         *,
@@ -94,11 +98,25 @@ class DrafterLink(LinkThread):
         self._local_host = local_host
         self._pair: PairGroup | None = None
         self._abort_thread: threading.Thread | None = None
+        self._next_tag = 1  # tag 0 carries the weights
 
     @property
     def paired(self) -> bool:
         """True once the data-plane pair group has formed (read by the control thread for STATUS)."""
         return self._pair is not None
+
+    def welcome_fields(self) -> dict:
+        return {"pair_prefix": self.prefix}
+
+    def requested(self) -> None:
+        pass  # paired is told by the pair group itself
+
+    def hand_over(self, ready: ReadyBatch) -> tuple[int, int]:
+        """Queue the batch for sending; its BATCH names the send's tag (no slot)."""
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < (1 << 30) else 1
+        self.enqueue(ready, tag)
+        return tag, -1
 
     def enqueue(self, ready: ReadyBatch, tag: int) -> None:
         self._outbox.put((ready, tag))

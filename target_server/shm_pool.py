@@ -86,21 +86,32 @@ class ShmBatchPool:
         self.ring.close()
 
 
-class PoolLink:
-    """A registration's data plane under transport "shm": nothing to move, so no thread.
+class PoolEndpoint:
+    """A registration's :class:`target_server.data_plane.Endpoint` for shm: nothing to move, so no thread.
 
-    Same interface as the pair-group link where the server uses it (start, stop,
-    paired, prefix, is_alive, join). ``paired`` turns true at the drafter's first
-    REQUEST, which it sends only after it has mapped the pool.
+    A BATCH names the pool slot and its tag; the slot stays pinned until the ACK.
+    ``paired`` turns true at the drafter's first REQUEST, which it sends only
+    after it has mapped the pool.
     """
 
-    def __init__(self, name: str, pool_name: str):
+    pins_until_ack = True
+
+    def __init__(self, name: str, welcome: dict):
         self.name = name
-        self.prefix = pool_name
+        self._welcome = welcome
         self.paired = False
+
+    def welcome_fields(self) -> dict:
+        return dict(self._welcome)
 
     def start(self) -> None:
         pass
+
+    def requested(self) -> None:
+        self.paired = True
+
+    def hand_over(self, ready) -> tuple[int, int]:
+        return ready.shm_tag, ready.shm_slot
 
     def stop(self) -> None:
         pass
