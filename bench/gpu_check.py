@@ -48,7 +48,7 @@ import torch
 from benchlib import drafter_trainer, write_json
 
 from common.config import DrafterConfig  # noqa: E402
-from common.dflash_model import build_target_layer_ids  # noqa: E402
+from common.layer_ids import build_target_layer_ids  # noqa: E402
 from common.streams import SideStream, record_current  # noqa: E402
 from common.sync_guard import sync_guard  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import DrafterConfig, MetricsConfig  # noqa: E402
-from common.dflash_model import DFlashDrafter, make_drafter_config  # noqa: E402
+from drafter_worker.model.dflash_model import DFlashDrafter, make_drafter_config  # noqa: E402
 from common.metrics_client import MetricsPusher  # noqa: E402
 from common.packing import BatchLayout  # noqa: E402
 from common.sync_guard import sync_guard  # noqa: E402

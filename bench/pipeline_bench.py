@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline_bench.py [--drafters 1,2,4] [--windows 4] [--out FILE]
 
-A random Llama target (``tests/tiny_target.py``: 16 layers x 256 hidden by
+A random Llama target (``tests/fixtures.py``: 16 layers x 256 hidden by
 default, SmolLM2's 49152-token vocabulary) is written to a temporary
 directory. Every process runs one torch thread (``target.threads = 1``,
 ``drafter.threads = 1``); data plane gloo; buckets [192, 256] at 768 tokens
@@ -15,8 +15,8 @@ serialized them instead of overlapping them would show (about 0.5-0.6).
 - drafter-alone: ``DrafterTrainer.train_step`` on the same batches (features
   from one untimed capture), in this process;
 - end-to-end: a real job: metrics sidecar (W&B disabled), target server and
-  drafter workers as separate processes on loopback, started like
-  ``tests/integration/harness.py`` does. The rate comes from the drafters'
+  drafter workers as separate processes on loopback, started by
+  ``deploy/launcher.py`` as the tests and the demo start them. The rate comes from the drafters'
   per-step records in ``metrics.jsonl`` (step and time) inside measurement
   windows that open once every drafter is past ``--warm-steps``.
 
@@ -46,8 +46,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,10 +53,11 @@ from typing import Any, Callable
 
 import torch
 
-from benchlib import ROOT, child_env, drafter_trainer, free_ports, median, write_json
+from benchlib import drafter_trainer, free_ports, median, offline_env, write_json
 
 from common.config import Config, load_config  # noqa: E402
-from common.dflash_model import build_target_layer_ids  # noqa: E402
+from common.layer_ids import build_target_layer_ids  # noqa: E402
+from deploy.launcher import Job  # noqa: E402
 
 
 def write_config(tmp: Path, model_dir: Path, drafter_ids: list[str], args: argparse.Namespace, name: str) -> Path:
@@ -71,12 +70,13 @@ def write_config(tmp: Path, model_dir: Path, drafter_ids: list[str], args: argpa
         "[metrics]", f'address = "tcp://127.0.0.1:{metrics}"', "log_every_steps = 1", "window_s = 1.0",
         'wandb_mode = "disabled"',
         "[target]", f'model = "{model_dir}"', "num_captured_layers = 5", "threads = 1", "ready_batches = 3",
+        "stop_timeout_s = 130.0",  # a stop outlasts transport.timeout_s (common/config.py requires it)
         "[data]", 'source = "pydoc"', "max_seq_len = 256", "bucket_lengths = [192, 256]",
         f"tokens_per_batch = {args.tokens_per_batch}", f"max_samples = {args.max_samples}", "heldout_fraction = 0.0",
         "[transport]", 'kind = "gloo"', "timeout_s = 120.0",
         "[drafter]", "block_size = 16", f"anchors_per_sequence = {args.anchors}", "threads = 1",
         "checkpoint_every_steps = 1000000", "warmup_steps = 5", "max_steps = 0", "credits = 2",
-        "stop_timeout_s = 60.0",
+        "stop_timeout_s = 130.0",
     ]
     for k, drafter_id in enumerate(drafter_ids):
         lines += [f"[drafters.{drafter_id}]", f"seed = {k}"]
@@ -105,6 +105,8 @@ class Alone:
         dataset = build_dataset(
             loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
             heldout_fraction=cfg.data.heldout_fraction, max_samples=cfg.data.max_samples,
+            data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
+            num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
         )
         spec = BucketSpec(tuple(cfg.data.bucket_lengths), cfg.data.tokens_per_batch)
         plan = BatchPlan(dataset.train_lengths(), spec, cfg.data.seed)
@@ -190,74 +192,6 @@ def concurrent_drafter(conn, config: str, num_batches: int) -> None:
 # End-to-end: a real job
 
 
-class Job:
-    """The processes of one job; a context manager that always kills what it started."""
-
-    def __init__(self, config: Path, run_dir: Path):
-        self.config = config
-        self.run_dir = run_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.console_dir = run_dir.parent / f"{run_dir.name}-console"
-        self.console_dir.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, module: str, *extra: str) -> None:
-        log = open(self.console_dir / f"{name}.console", "w", encoding="utf-8")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, "--config", str(self.config), *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env(threads=1), cwd=ROOT,
-        )
-        log.close()
-
-    def records(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
-        return out
-
-    def check_alive(self, what: str) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode} while {what}:\n{self.console(name)}")
-
-    def console(self, name: str) -> str:
-        path = self.console_dir / f"{name}.console"
-        return path.read_text(encoding="utf-8", errors="replace")[-3000:] if path.exists() else ""
-
-    def stop(self, names: list[str], timeout_s: float) -> dict[str, int]:
-        for name in names:
-            if self.procs[name].poll() is None:
-                self.procs[name].send_signal(signal.SIGTERM)
-        codes = {}
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            try:
-                codes[name] = self.procs[name].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.procs[name].kill()
-                codes[name] = self.procs[name].wait()
-        return codes
-
-    def signal_all(self, signum: int) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    def __enter__(self) -> "Job":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 def _drafter_records(records: list[dict], drafter_id: str) -> list[dict]:
     return [r for r in records if r["source"] == f"drafter/{drafter_id}" and "tokens_per_s" in r["values"]]
 
@@ -304,23 +238,18 @@ def run_job(
     started = time.monotonic()
     spans: list[tuple[float, float]] = []
     cpu: dict[str, float] = {}
-    with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
+    with Job(config, run_dir, env=offline_env(threads=1)) as job:
+        job.start_metrics()
+        job.start_target()
         for drafter_id in drafter_ids:
-            job.start(drafter_id, "drafter_worker", "--id", drafter_id)
-        deadline = time.monotonic() + args.startup_timeout_s
-        while True:
-            job.check_alive("starting up")
-            records = job.records()
-            if all(any(r["step"] >= args.warm_steps for r in _drafter_records(records, d)) for d in drafter_ids):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{num_drafters} drafter(s) not past step {args.warm_steps} within {args.startup_timeout_s:.0f}s; "
-                    f"consoles in {job.console_dir}\n{job.console('target')}"
-                )
-            time.sleep(0.5)
+            job.start_drafter(drafter_id)
+
+        def warm() -> bool:
+            records = job.metrics()
+            return all(any(r["step"] >= args.warm_steps for r in _drafter_records(records, d)) for d in drafter_ids)
+
+        job.wait_for(warm, args.startup_timeout_s, f"{num_drafters} drafter(s) past step {args.warm_steps}",
+                     running=job.procs, interval_s=0.5)
         startup_s = time.monotonic() - started
         for k in range(windows):
             if k and between is not None:
@@ -334,7 +263,7 @@ def run_job(
             start = time.time()
             end = time.monotonic() + window_s
             while time.monotonic() < end:
-                job.check_alive("measuring")
+                job.check("measuring", running=job.procs)
                 time.sleep(0.25)
             spans.append((start, time.time()))
             for n, p in job.procs.items():
@@ -342,7 +271,7 @@ def run_job(
         codes = job.stop(drafter_ids, timeout_s=90.0)
         codes.update(job.stop(["target"], timeout_s=60.0))
         codes.update(job.stop(["metrics"], timeout_s=30.0))
-        records = job.records()
+        records = job.metrics()
     measured_s = sum(b - a for a, b in spans)
     drafters = {}
     for drafter_id in drafter_ids:
@@ -405,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = sorted({int(n) for n in args.drafters.split(",") if n.strip() and int(n) > 0})
     torch.set_num_threads(1)  # as every process of the job
 
-    from tests.tiny_target import make_tiny_target
+    from tests.fixtures import make_tiny_target
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp_name:
         tmp = Path(tmp_name)

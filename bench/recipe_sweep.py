@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, init_feature_scale, init_logit_scale, make_drafter_config  # noqa: E402
+from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, init_feature_scale, init_logit_scale, make_drafter_config  # noqa: E402
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
 from target_server.data import build_dataset, token_ranking  # noqa: E402
@@ -61,6 +61,24 @@ def capture_all(loaded, layer_ids, samples, batch_tokens: int = 1024):
     return out
 
 
+@torch.no_grad()
+def copy_target_layers(drafter, target, layers: list[int], layer_ids: list[int]) -> None:
+    """Start drafter layer j as a copy of target layer ``layers[j]``; fc reads the captured layer just below."""
+    from target_server.capture import decoder_layers
+    src = decoder_layers(target)
+    for j, lid in enumerate(layers):
+        own = drafter.layers[j].state_dict()
+        theirs = {k: v for k, v in src[lid].state_dict().items() if k in own}
+        drafter.layers[j].load_state_dict({**own, **theirs})
+    below = layers[0] - 1
+    if below in layer_ids:
+        h = drafter.config.hidden_size
+        slot = layer_ids.index(below)
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, slot * h:(slot + 1) * h] = torch.eye(h)
+        drafter.hidden_norm.weight.copy_(src[layers[0]].input_layernorm.weight)
+
+
 def batches(samples, feats, rng: random.Random, seqs: int):
     """Endless random batches of ``seqs`` samples, padded to the longest (epoch by epoch)."""
     while True:
@@ -88,6 +106,8 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], help="override for every variant")
     p.add_argument("--variant", action="append", required=True, help="NAME:key=value,key=value")
     p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--steps", type=int, default=0,
+                   help="train each variant this many steps instead of --minutes (fair when the machine is shared)")
     p.add_argument("--samples", type=int, default=400)
     p.add_argument("--seqs", type=int, default=4, help="sequences per step")
     p.add_argument("--eval-prompts", type=int, default=8)
@@ -100,7 +120,9 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides)
     loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
     ds = build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
-                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples)
+                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples,
+                       data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
+                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
     layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
     mask_id = pick_mask_token_id(loaded.tokenizer, None, vocab_size=loaded.vocab_size)
     t0 = time.monotonic()
@@ -127,7 +149,11 @@ def main() -> int:
     arch = loaded.config
     for spec in args.variant:
         name, _, sets = spec.partition(":")
-        overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.")) else kv for kv in sets.split(",") if kv]
+        kvs = [kv for kv in sets.split(",") if kv]
+        # init.copy_layers=28+29: start the drafter's layers as copies of these target layers (experiment)
+        copy_layers = [int(x) for kv in kvs if kv.startswith("init.copy_layers=") for x in kv.split("=", 1)[1].split("+")]
+        kvs = [kv for kv in kvs if not kv.startswith("init.")]
+        overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.")) else kv for kv in kvs]
         vcfg = load_config(args.config, [*args.overrides, *overrides]).drafter
         config = make_drafter_config(
             hidden_size=loaded.hidden_size, num_attention_heads=arch.num_attention_heads,
@@ -143,9 +169,11 @@ def main() -> int:
             ranked = ranking[: vcfg.draft_vocab_size]
             ranked += [t for t in range(loaded.vocab_size) if t not in set(ranked)][: vcfg.draft_vocab_size - len(ranked)]
             model.set_draft_vocab(ranked)
+        if copy_layers:
+            copy_target_layers(model, loaded.model, copy_layers, layer_ids)
         if vcfg.logit_std_init > 0:
             init_logit_scale(model, embed, head, vcfg.logit_std_init, seed=vcfg.seed)
-        if vcfg.feature_scale_init:
+        if vcfg.feature_scale_init and not copy_layers:
             f0, _, _, l0 = next(batches(ds.train, feats, random.Random(vcfg.seed + 1), 8))
             init_feature_scale(model, f0, l0)
         gen = torch.Generator().manual_seed(vcfg.seed)
@@ -156,9 +184,11 @@ def main() -> int:
         start = time.monotonic()
         blocks = 0
         losses = []
-        while time.monotonic() - start < budget:
+        if args.steps:
+            trainer.plan_steps = args.steps
+        while (trainer.step < args.steps) if args.steps else (time.monotonic() - start < budget):
             f, ids, mask, lens = next(data)
-            if trainer.step == 3:
+            if trainer.step == 3 and not args.steps:
                 pace = (time.monotonic() - start) / 3
                 trainer.plan_steps = int(budget / pace)
             trainer.train_step(f, ids, mask, lens, embed, head)
@@ -169,7 +199,7 @@ def main() -> int:
         train_s = time.monotonic() - start
         model.eval()
         report = evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
-        row = {"variant": name, "overrides": overrides, "minutes": args.minutes, "steps": trainer.step,
+        row = {"variant": name, "overrides": overrides, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
                "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
                "speedup": round(report["speedup"], 3), "samples": len(ds.train)}

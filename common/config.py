@@ -111,14 +111,19 @@ class MetricsConfig:
     address: str = _doc("ZeroMQ PULL address of the metrics sidecar", "tcp://127.0.0.1:5557")
     log_every_steps: int = _doc("producers snapshot their device counters every this many steps", 5)
     window_s: float = _doc("the sidecar aggregates records over windows of this length", 2.0)
-    wandb_mode: str = _doc("W&B mode: offline, online or disabled", "offline")
-    wandb_project: str = _doc("W&B project", "dflash")
-    wandb_entity: str = _doc("W&B entity (team); empty for the default", "")
+    # The W&B settings below: empty = the WANDB_* environment variable, else the default named.
+    wandb_mode: str = _doc("W&B mode: offline, online or disabled; empty = $WANDB_MODE, else offline", "")
+    wandb_project: str = _doc("W&B project; empty = $WANDB_PROJECT, else dflash", "")
+    wandb_entity: str = _doc("W&B entity (team); empty = $WANDB_ENTITY, else your default entity", "")
+    wandb_group: str = _doc("W&B group of the job's runs; empty = $WANDB_RUN_GROUP, else run.name", "")
+    wandb_dir: str = _doc("directory W&B writes its wandb/ folder in; empty = $WANDB_DIR, else the run directory", "")
+    wandb_max_drafter_runs: int = _doc("drafters that get a W&B run of their own (one wandb.init each); later ones log into the target run", 16)
 
     def __post_init__(self) -> None:
         _require(self.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1", self.log_every_steps)
         _require(self.window_s > 0, "metrics.window_s", "must be > 0", self.window_s)
-        _require(self.wandb_mode in ("offline", "online", "disabled"), "metrics.wandb_mode", "must be offline, online or disabled", self.wandb_mode)
+        _require(self.wandb_mode in ("", "offline", "online", "disabled"), "metrics.wandb_mode", "must be offline, online, disabled or empty", self.wandb_mode)
+        _require(self.wandb_max_drafter_runs >= 0, "metrics.wandb_max_drafter_runs", "must be >= 0", self.wandb_max_drafter_runs)
 
 
 @dataclass
@@ -148,7 +153,11 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _doc("'pydoc' (Python's own reference text) or a JSONL file of {\"messages\": [...]} chats", "pydoc")
+    source: str = _doc("'pydoc' (Python's own reference text), a JSONL/JSON, parquet or arrow file, a directory of them or one saved by datasets' save_to_disk, or a dataset name in the local Hugging Face cache (never downloaded); see docs/data.md", "pydoc")
+    format: str = _doc("record format: 'auto' (told from the first records), 'messages' ({messages: [{role, content}]}), 'conversations' (the same turns under conversations) or 'sharegpt' (conversations of {from, value})", "auto")
+    chat_template_kwargs: dict[str, Any] = _doc("extra variables for every chat-template rendering, e.g. {enable_thinking = false}", default_factory=dict)
+    num_proc: int = _doc("processes tokenizing the data; 0 = min(available cores, 8); the samples do not depend on it", 0)
+    cache_dir: str = _doc("directory of the tokenized-data cache; empty = $DFLASH_DATA_CACHE_DIR or ~/.cache/dflash/tokenized; 'off' = no cache", "")
     max_seq_len: int = _doc("samples are truncated to this many tokens", 256)
     bucket_lengths: list[int] = _doc("fixed sequence lengths of the batch shapes", default_factory=lambda: [64, 128, 256])
     tokens_per_batch: int = _doc("batch size of a bucket = tokens_per_batch // its length", 1024)
@@ -166,6 +175,20 @@ class DataConfig:
         _require(0.0 <= self.heldout_fraction < 1.0, "data.heldout_fraction", "must be in [0, 1)", self.heldout_fraction)
         _require(self.num_epochs >= 0, "data.num_epochs", "must be >= 0", self.num_epochs)
         _require(self.max_samples >= 0, "data.max_samples", "must be >= 0", self.max_samples)
+        _require(self.format in DATA_FORMATS, "data.format", f"must be one of {', '.join(DATA_FORMATS)}", self.format)
+        _require(self.num_proc >= 0, "data.num_proc", "must be >= 0", self.num_proc)
+        reserved = sorted(set(self.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        _require(not reserved, "data.chat_template_kwargs", f"must not set {', '.join(reserved)} (the data loader sets it)", self.chat_template_kwargs)
+
+    # Settings of this host only: drafters need not agree on them (left out of Config.shared_hash).
+    LOCAL_KEYS = ("num_proc", "cache_dir")
+
+
+DATA_FORMATS = ("auto", "messages", "conversations", "sharegpt")
+# apply_chat_template's own arguments: a template variable of these names would clash.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 @dataclass
@@ -180,7 +203,11 @@ class DrafterConfig:
     anchors_per_sequence: int = _doc("blocks trained per sequence per step", 4)
     steps_per_batch: int = _doc("optimizer steps on each received batch, each on freshly sampled anchors (the target's forward is the costly part: a drafter that would wait for the next batch trains this one again)", 1)
     draft_vocab_size: int = _doc("score only the K target tokens the training answers use most (their ids come from the target at WELCOME); 0 = the whole vocabulary (the published DFlash layout)", 0)
+    layer_types: list[str] = _doc("attention type of each drafter layer, 'full_attention' or 'sliding_attention' (num_layers entries); empty = all sliding_attention when sliding_window > 0, else all full_attention", default_factory=list)
+    sliding_window: int = _doc("positions a sliding_attention layer sees: a slot at position p attends to keys at |p - k| < sliding_window (0 = no sliding layers; at least block_size)", 0)
+    init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
+    loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
     learning_rate: float = _doc("peak AdamW learning rate", 6e-4)
     min_lr_ratio: float = _doc("cosine decays to learning_rate * min_lr_ratio", 0.1)
     weight_decay: float = _doc("AdamW weight decay (matrices only; the published DFlash recipe uses none)", 0.0)
@@ -207,7 +234,10 @@ class DrafterConfig:
         _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)
         _require(1 <= self.steps_per_batch <= 64, "drafter.steps_per_batch", "must be in [1, 64]", self.steps_per_batch)
         _require(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", "must be >= 0", self.draft_vocab_size)
+        self._check_attention_layers()
         _require(self.loss_gamma > 0, "drafter.loss_gamma", "must be > 0", self.loss_gamma)
+        _require(self.loss_impl in ("auto", "triton", "chunked", "torch"), "drafter.loss_impl",
+                 "must be auto, triton, chunked or torch", self.loss_impl)
         _require(self.learning_rate > 0, "drafter.learning_rate", "must be > 0", self.learning_rate)
         _require(self.weight_decay >= 0, "drafter.weight_decay", "must be >= 0", self.weight_decay)
         _require(0 <= self.adam_beta1 < 1, "drafter.adam_beta1", "must be in [0, 1)", self.adam_beta1)
@@ -223,6 +253,24 @@ class DrafterConfig:
         _require(self.stop_timeout_s > 0, "drafter.stop_timeout_s", "must be > 0", self.stop_timeout_s)
         if not self.group:
             self.group = self.id
+
+    def _check_attention_layers(self) -> None:
+        kinds = ("full_attention", "sliding_attention")
+        _require(all(t in kinds for t in self.layer_types), "drafter.layer_types",
+                 f"may hold only {' and '.join(repr(k) for k in kinds)}", self.layer_types)
+        _require(not self.layer_types or len(self.layer_types) == self.num_layers, "drafter.layer_types",
+                 f"must name all drafter.num_layers = {self.num_layers} layers (or be empty)", self.layer_types)
+        _require(self.sliding_window >= 0, "drafter.sliding_window", "must be >= 0", self.sliding_window)
+        sliding = "sliding_attention" in self.layer_types or (not self.layer_types and self.sliding_window > 0)
+        if sliding:
+            # A narrower window would hide slots of one block from each other, where
+            # implementations of the sliding window disagree.
+            _require(self.sliding_window >= self.block_size, "drafter.sliding_window",
+                     f"must be >= drafter.block_size = {self.block_size} with sliding_attention layers",
+                     self.sliding_window)
+        else:
+            _require(self.sliding_window == 0, "drafter.sliding_window",
+                     "must be 0 when drafter.layer_types has no sliding_attention layer", self.sliding_window)
 
 
 @dataclass
@@ -247,7 +295,7 @@ class Config:
     def shared_hash(self) -> str:
         """Hash of what target and drafters must agree on (data, captured layers, dtype)."""
         shared = {
-            "data": dataclasses.asdict(self.data),
+            "data": {k: v for k, v in dataclasses.asdict(self.data).items() if k not in DataConfig.LOCAL_KEYS},
             "target": {k: getattr(self.target, k) for k in ("model", "dtype", "num_captured_layers", "target_layer_ids", "mask_token_id")},
         }
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
@@ -271,6 +319,8 @@ def _toml_value(value: Any) -> str:
         return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_string(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -292,6 +342,14 @@ def _toml_string(text: str) -> str:
     return "".join(out)
 
 
+def _plain_toml(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_plain_toml(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_toml(v) for k, v in value.items())
+    return isinstance(value, (bool, int, float, str))
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Check a raw TOML value against a field's annotated type."""
     origin = typing.get_origin(hint)
@@ -300,6 +358,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if origin is dict:  # a TOML table of plain values (e.g. data.chat_template_kwargs)
+        if not isinstance(value, dict) or not all(_plain_toml(v) for v in value.values()):
+            raise ConfigError(f"{key} must be a table of strings, numbers, booleans, lists or tables, got {value!r}")
+        return dict(value)
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")

@@ -12,12 +12,16 @@ try:
 except ImportError:  # optional: only makes `ps` nicer
     setproctitle = None
 
+# ISO 8601 date and time (local time, no zone: the journal and the files are read on the host).
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
 
 def setup_logging(process_name: str, log_dir: Path | None = None, level: int = logging.INFO) -> None:
-    """Prefix every line with the process name and pid so interleaved logs stay readable."""
+    """Prefix every line with the date and time (local, ``2026-12-03 13:20:01``), the level's
+    initial, the process name and pid, so interleaved logs of a days-long job stay readable."""
     fmt = logging.Formatter(
         f"%(asctime)s %(levelname).1s [{process_name} pid={os.getpid()}] %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        datefmt=LOG_DATE_FORMAT,
     )
     root = logging.getLogger()
     for handler in list(root.handlers):

@@ -1,7 +1,7 @@
 """Metric records on the wire, and the producer side that pushes them.
 
 Every process (target server, drafter workers) reports metrics to the metrics
-sidecar as one msgpack map per ZeroMQ frame (DESIGN.md section 6):
+sidecar as one msgpack map per ZeroMQ frame (docs/architecture.md, "The metrics path"):
 
     {"type": "metrics", "v": 1, "source": "drafter/d0", "step": 40,
      "time": 1.7e9, "values": {"loss": 2.3, "lr": 1e-4}, "dropped": 0}
@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import msgpack
 import zmq
 
+from common.metric_names import DRAFTER_SOURCE, PIPELINE_SOURCE, SIDECAR_SOURCE
 from common.sockets import SocketFactory
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ METRICS_TYPE = "metrics"
 METRICS_VERSION = 1
 
 # Series names the sidecar writes itself; a producer may not claim them.
-RESERVED_SOURCES = ("sidecar", "pipeline")
+RESERVED_SOURCES = (SIDECAR_SOURCE, PIPELINE_SOURCE)
 
 Number = int | float
 
@@ -68,7 +69,7 @@ def to_plain_number(name: str, value: Any) -> Number:
 
     Python and numpy numbers are converted; torch tensors are refused with
     TypeError because reading one on the host may synchronize the device (read
-    device counters through the pinned-memory path instead, DESIGN.md section 6).
+    device counters through the pinned-memory path instead, docs/architecture.md, "The metrics path").
     """
     if _is_torch_tensor(value):
         raise TypeError(
@@ -123,8 +124,8 @@ def validate_source(source: Any) -> str:
         raise MalformedRecord(f"source must be a non-empty string without spaces or '*', got {source!r}")
     if source.split("/", 1)[0] in RESERVED_SOURCES:
         raise MalformedRecord(f"source {source!r} is reserved for the sidecar's own series")
-    if source.startswith("drafter/") and len(source) == len("drafter/"):
-        raise MalformedRecord("source 'drafter/' has no drafter id")
+    if source == DRAFTER_SOURCE.prefix:
+        raise MalformedRecord(f"source {source!r} has no drafter id")
     return source
 
 

@@ -5,12 +5,14 @@ A message on the wire is one msgpack map ``{"type": <name>, "v": PROTOCOL_VERSIO
 raises :class:`ProtocolError` (with an error code a server can send back)
 instead of handing half-valid data to the caller. Pickle is never used:
 msgpack is configured to refuse anything but plain maps, lists, strings,
-numbers, booleans and nil.
+numbers, booleans and nil. Nested maps are typed too (:class:`Payload`): every
+key known, every value checked, decoded into its dataclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import typing
 from dataclasses import dataclass, field
@@ -64,6 +66,39 @@ def optional(default: Any = dataclasses.MISSING, default_factory: Any = dataclas
     field existed, and peers built before it still decode it (no version bump).
     """
     return field(default=default, default_factory=default_factory, metadata={"omit_if_default": True})
+
+
+@dataclass
+class Payload:
+    """A typed map nested inside a message: decoded from a msgpack map, every key known and typed."""
+
+
+@dataclass
+class TargetArch(Payload):
+    """WELCOME.target_arch: what a fresh drafter copies from the target's architecture."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+
+@dataclass
+class DrafterStatus(Payload):
+    """STATUS.drafters: one registration as the target sees it."""
+
+    id: str
+    group: str
+    epoch: int
+    pid: int
+    step: int
+    checkpoint_step: int
+    inflight: int
+    heartbeat_age_s: float
+    state: str  # "forming pair" | "training" | "done"
 
 
 @dataclass
@@ -131,11 +166,9 @@ class Welcome(Message):
     target_layer_ids: list[int]
     vocab_size: int
     mask_token_id: int
-    block_size: int
     dtype: str
     embed_tied: bool
-    # Architecture hints the drafter copies from the target (heads, rope, ...).
-    target_arch: dict[str, Any]
+    target_arch: TargetArch
     # [batch_size, seq_len] of every length bucket, in bucket order.
     buckets: list[list[int]]
     store_host: str
@@ -268,7 +301,7 @@ class Status(Message):
     tokens_per_s: float
     queue_depth: int
     bucket_depths: list[int]
-    drafters: list[dict[str, Any]]
+    drafters: list[DrafterStatus]
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -277,33 +310,16 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
-def _plain(value: Any) -> bool:
-    """True if ``value`` holds only maps with string keys, lists, strings, numbers, booleans and nil.
-
-    msgpack decodes its timestamp extension (type -1) into a ``Timestamp``
-    without calling ``ext_hook``, and bin data into ``bytes``; neither may
-    reach a free-form (``Any``) field. Iterative: nesting may be ~1000 deep.
-    """
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if item is None or isinstance(item, (bool, int, float, str)):
-            continue
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            if not all(isinstance(k, str) for k in item):
-                return False
-            stack.extend(item.values())
-        else:
-            return False
-    return True
-
-
 def _check(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
-    if hint is Any:
-        return _plain(value)
+    if isinstance(hint, type) and issubclass(hint, Payload):
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return False
+        fields = {f.name: f for f in dataclasses.fields(hint)}
+        hints = _payload_hints(hint)
+        required = {n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        return set(value) <= set(fields) and required <= set(value) and all(_check(v, hints[k]) for k, v in value.items())
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_check(v, item) for v in value)
@@ -318,6 +334,23 @@ def _check(value: Any, hint: Any) -> bool:
 
 
 _HINTS = {name: typing.get_type_hints(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _payload_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(value: Any, hint: Any) -> Any:
+    """A checked value with its nested payload maps turned into their dataclasses."""
+    if isinstance(hint, type) and issubclass(hint, Payload):
+        hints = _payload_hints(hint)
+        return hint(**{k: _build(v, hints[k]) for k, v in value.items()})
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(item, type) and issubclass(item, Payload):
+            return [_build(v, item) for v in value]
+    return value
 
 
 def _require(ok: bool, message: str) -> None:
@@ -391,7 +424,7 @@ def decode(frame: bytes, *, max_bytes: int = 1 << 20) -> Message:
             continue
         if not _check(body[name], hints[name]):
             raise ProtocolError(E_MALFORMED, f"{kind}.{name} has the wrong type ({type(body[name]).__name__})")
-    msg = cls(**body)
+    msg = cls(**{name: _build(value, hints[name]) for name, value in body.items()})
     msg.check_values()
     return msg
 

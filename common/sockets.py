@@ -169,16 +169,20 @@ def revoke(directory: Path, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-keys", description="Create ZeroMQ CURVE keys for multi-host use.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    keys = sub.add_parser("keys", help="create server and client keys in DIR")
-    keys.add_argument("directory", type=Path)
+    parser = argparse.ArgumentParser(
+        prog="dflash-keys",
+        description="Create, add and revoke the ZeroMQ CURVE keys that a job needs to bind non-loopback "
+                    "addresses (multi-host use). Point security.curve_dir at DIR on every host.",
+        epilog="exit status: 0 done, 2 the directory or key is not usable (the message says why)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    keys = sub.add_parser("keys", help="create the server key and a shared client key in DIR")
+    keys.add_argument("directory", type=Path, metavar="DIR", help="key directory, e.g. /etc/dflash/curve")
     add = sub.add_parser("add-client", help="create and authorize a key of its own for one host or drafter")
-    add.add_argument("directory", type=Path)
-    add.add_argument("name")
-    rev = sub.add_parser("revoke", help="stop accepting a client's key")
-    rev.add_argument("directory", type=Path)
-    rev.add_argument("name")
+    add.add_argument("directory", type=Path, metavar="DIR", help="the key directory made by 'keys'")
+    add.add_argument("name", metavar="NAME", help="the client's name; set security.curve_client = NAME on that host")
+    rev = sub.add_parser("revoke", help="stop accepting a client's key (running servers refuse it within seconds)")
+    rev.add_argument("directory", type=Path, metavar="DIR", help="the key directory made by 'keys'")
+    rev.add_argument("name", metavar="NAME", help="the client name given to add-client")
     args = parser.parse_args(argv)
     try:
         if args.command == "keys":
@@ -192,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             revoke(args.directory, args.name)
             print(f"revoked {args.name}: servers refuse its new connections within seconds")
     except SecurityError as exc:
+        print(f"dflash-keys: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an unwritable or missing directory
         print(f"dflash-keys: {exc}", file=sys.stderr)
         return 2
     return 0

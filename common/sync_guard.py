@@ -1,4 +1,4 @@
-"""A guard that fails when guarded code reads a device value on the host (DESIGN.md section 6).
+"""A guard that fails when guarded code reads a device value on the host (docs/architecture.md, "The metrics path").
 
 ``with sync_guard(device) as report:`` wraps a hot step in tests, so that a
 ``.item()`` slipped into the step fails CI instead of stalling the device in
@@ -42,7 +42,7 @@ The torch-internal rule
 
 Host buffers
     A tensor that *is* host memory, filled by an event-tracked copy (the pinned
-    snapshot of :class:`common.device_metrics.DeviceAccumulators`), is not a device
+    snapshot of :class:`drafter_worker.model.device_metrics.DeviceAccumulators`), is not a device
     read. Its owner registers it once with :func:`mark_host`; reads of it and of
     its direct views pass the guard. This ties the exemption to the buffer rather
     than to a block of code, so a device tensor read in the same place still

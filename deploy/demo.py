@@ -14,60 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import zmq
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import protocol as P  # noqa: E402
-from common.auth import status_credential  # noqa: E402
 from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
+from deploy.launcher import Job  # noqa: E402
+from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
 
-
-def _start(name: str, module: str, args: list[str], log_dir: Path) -> subprocess.Popen:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    # stderr also lands in logs/<process>.log through the process's own logging;
-    # this file keeps anything printed before logging is set up (e.g. a crash on import).
-    out = open(log_dir / f"{name}.console", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def _status(address: str, ctx: zmq.Context, run_dir: Path) -> P.Status | None:
-    try:
-        credential = status_credential(run_dir)
-    except (OSError, ValueError):
-        return None  # the target has not created the run's keys yet
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        sock.send(P.StatusRequest(auth=credential).encode())
-        if sock.poll(1000):
-            msg = P.decode(sock.recv())
-            return msg if isinstance(msg, P.Status) else None
-        return None
-    finally:
-        sock.close()
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+STOP_TIMEOUT_S = 60.0  # per stage of the shutdown (target, drafters, sidecar), after SIGTERM
+EVAL_TIMEOUT_S = 900.0  # for the short evaluations of measure_tau, all drafters together
 
 
 def summarize(run_dir: Path) -> tuple[list[str], bool]:
@@ -106,21 +66,16 @@ def summarize(run_dir: Path) -> tuple[list[str], bool]:
 def measure_tau(run_dir: Path, drafter_ids: list[str], prompts: int = 3, tokens: int = 32) -> dict[str, dict | None]:
     """A short real evaluation of each drafter's last checkpoint (``dflash-eval``, one process per
     drafter, in parallel): tau measured with the target, next to the training EAL proxy."""
-    procs = {}
-    for drafter_id in drafter_ids:
-        out = run_dir / "eval" / f"demo-{drafter_id}.json"
-        out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tools.eval", str(run_dir), "--drafter", drafter_id, "--num-prompts", str(prompts),
-               "--max-new-tokens", str(tokens), "--no-baseline", "--threads", "1", "--json", str(out)]
-        console = open(run_dir / "logs" / f"eval-{drafter_id}.console", "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        procs[drafter_id] = (subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, env=env), out, console)
-    results: dict[str, dict | None] = {}
-    for drafter_id, (proc, out, console) in procs.items():
-        proc.wait()
-        console.close()
-        results[drafter_id] = json.loads(out.read_text()) if proc.returncode == 0 and out.is_file() else None
-    return results
+    outs = {drafter_id: run_dir / "eval" / f"demo-{drafter_id}.json" for drafter_id in drafter_ids}
+    with Job(None, run_dir) as evals:
+        for drafter_id, out in outs.items():
+            out.unlink(missing_ok=True)
+            evals.start_command(f"eval-{drafter_id}", [
+                sys.executable, "-m", "tools.eval", str(run_dir), "--drafter", drafter_id, "--num-prompts", str(prompts),
+                "--max-new-tokens", str(tokens), "--no-baseline", "--threads", "1", "--json", str(out)])
+        deadline = time.monotonic() + EVAL_TIMEOUT_S
+        codes = {d: evals.finish(f"eval-{d}", deadline - time.monotonic()) for d in drafter_ids}
+    return {d: json.loads(out.read_text()) if codes[d] == 0 and out.is_file() else None for d, out in outs.items()}
 
 
 def tau_lines(results: dict[str, dict | None]) -> list[str]:
@@ -165,59 +120,55 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists() and not args.keep:
         shutil.rmtree(run_dir)
         print(f"demo: starting fresh in {run_dir} (pass --keep to resume instead)")
-    common_args = ["--config", args.config, *[f"--set={o}" for o in args.overrides]]
-    log_dir = run_dir / "logs"
-    procs: dict[str, subprocess.Popen] = {}
     started = time.monotonic()
-    ctx = zmq.Context()
-    try:
-        procs["metrics"] = _start("metrics", "metrics_sidecar", common_args, log_dir)
-        procs["target"] = _start("target", "target_server", common_args, log_dir)
-        for drafter_id in drafter_ids:
-            procs[drafter_id] = _start(f"drafter-{drafter_id}", "drafter_worker", [*common_args, "--id", drafter_id], log_dir)
-        print(f"demo: started sidecar, target and drafters {', '.join(drafter_ids)}; logs in {log_dir}")
-        budget = cfg.drafter.max_steps
-        last_print = 0.0
-        while any(procs[d].poll() is None for d in drafter_ids):
-            time.sleep(1.0)
-            elapsed = time.monotonic() - started
-            if elapsed > args.timeout_s:
-                print(f"demo: giving up after {args.timeout_s:.0f}s", file=sys.stderr)
-                return 1
-            for name in ("target", "metrics"):
-                if procs[name].poll() is not None:
-                    print(f"demo: {name} exited with {procs[name].returncode}; see {log_dir}/{name}.log", file=sys.stderr)
+    with Job(args.config, run_dir, overrides=args.overrides) as job:
+        log_dir = job.log_dir
+        try:
+            job.start_metrics()
+            job.start_target()
+            for drafter_id in drafter_ids:
+                job.start_drafter(drafter_id)
+            print(f"demo: started sidecar, target and drafters {', '.join(drafter_ids)}; logs in {log_dir}")
+            budget = cfg.drafter.max_steps
+            last_print = 0.0
+            while any(job.poll(d) is None for d in drafter_ids):
+                time.sleep(1.0)
+                elapsed = time.monotonic() - started
+                if elapsed > args.timeout_s:
+                    print(f"demo: giving up after {args.timeout_s:.0f}s", file=sys.stderr)
                     return 1
-            if elapsed - last_print >= 10.0:
-                last_print = elapsed
-                status = _status(cfg.control.address, ctx, cfg.run.path)
-                if status is None:
-                    print(f"demo: [{elapsed:5.0f}s] target is starting (loading the model, tokenizing the data)")
-                else:
-                    parts = [f"{d['id']} step {d['step']}/{budget or '-'}" for d in sorted(status.drafters, key=lambda d: d["id"])]
-                    print(f"demo: [{elapsed:5.0f}s] {' | '.join(parts) or 'drafters registering'}"
-                          f" | target {status.tokens_per_s:.0f} tok/s, queue {status.queue_depth}")
-        failed = {d: procs[d].returncode for d in drafter_ids if procs[d].returncode != 0}
-        if failed:
-            print(f"demo: drafters failed: {failed}; see {log_dir}", file=sys.stderr)
-            return 1
-    finally:
-        codes = {}
-        for name in ["target", *drafter_ids, "metrics"]:
-            if name in procs:
-                codes[name] = _stop(procs[name], timeout_s=60.0)
-        ctx.term()
+                for name in ("target", "metrics"):
+                    if job.poll(name) is not None:
+                        print(f"demo: {name} exited with {job.poll(name)}; see {log_dir}/{name}.log", file=sys.stderr)
+                        return 1
+                if elapsed - last_print >= 10.0:
+                    last_print = elapsed
+                    status = job.status(cfg.control.address)
+                    if status is None:
+                        print(f"demo: [{elapsed:5.0f}s] target is starting (loading the model, tokenizing the data)")
+                    else:
+                        parts = [f"{d.id} step {d.step}/{budget or '-'}" for d in sorted(status.drafters, key=lambda d: d.id)]
+                        print(f"demo: [{elapsed:5.0f}s] {' | '.join(parts) or 'drafters registering'}"
+                              f" | target {status.tokens_per_s:.0f} tok/s, queue {status.queue_depth}")
+            failed = {d: job.poll(d) for d in drafter_ids if job.poll(d) != 0}
+            if failed:
+                print(f"demo: drafters failed: {failed}; see {log_dir}", file=sys.stderr)
+                return 1
+        finally:
+            # The target, then any drafter still running, the sidecar last (it records everyone's last metrics).
+            codes = job.stop(["target"], STOP_TIMEOUT_S)
+            codes.update(job.stop(drafter_ids, STOP_TIMEOUT_S))
+            codes.update(job.stop(["metrics"], STOP_TIMEOUT_S))
     lines, ok = summarize(run_dir)
     lines += tau_lines(measure_tau(run_dir, drafter_ids))
     elapsed = time.monotonic() - started
-    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    wandb_lines = offline_upload_lines(run_dir)  # one run per drafter plus the target, and the upload command
     print(f"\n=== DFlash demo summary ({elapsed:.0f}s) ===")
     print("\n".join(lines))
     print(f"  run directory: {run_dir}")
     print(f"  process exit codes: {codes}")
-    if offline:
-        print(f"  W&B offline run: {offline[-1]}")
-        print(f"  upload it with: wandb sync {offline[-1]}")
+    for line in wandb_lines:
+        print(f"  {line}")
     report = _plots(run_dir)
     if report:
         print("  plots: " + ", ".join(str(p) for p in report))

@@ -20,39 +20,39 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-
-import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
-from deploy.demo import _plots, _start, _status, _stop, summarize  # noqa: E402
+from deploy.demo import STOP_TIMEOUT_S, _plots, summarize  # noqa: E402
+from deploy.launcher import Job  # noqa: E402
+from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
+
+DRAFTER_STOP_TIMEOUT_S = 120.0  # drafters stopped by --train-minutes checkpoint first
+FINAL_EVAL_TIMEOUT_S = 3600.0
+EXPORT_TIMEOUT_S = 600.0
 
 
-def _eval_final(run_dir: Path, drafter_id: str, args: argparse.Namespace, log_dir: Path) -> dict | None:
-    out = run_dir / "eval" / f"final-{drafter_id}.json"
-    cmd = [sys.executable, "-m", "tools.eval", str(run_dir), "--drafter", drafter_id,
+def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace) -> dict | None:
+    out = tools.run_dir / "eval" / f"final-{drafter_id}.json"
+    cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
            "--threads", str(args.eval_threads), "--json", str(out)]
-    with open(log_dir / f"eval-final-{drafter_id}.console", "w") as console:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+    code = tools.run(f"eval-final-{drafter_id}", cmd, FINAL_EVAL_TIMEOUT_S)
     if code != 0 or not out.is_file():
-        print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {log_dir}", file=sys.stderr)
+        print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {tools.log_dir}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
 
 
-def _export(run_dir: Path, drafter_id: str, log_dir: Path) -> Path | None:
-    out = run_dir / "export" / drafter_id
-    cmd = [sys.executable, "-m", "tools.export", str(run_dir), "--drafter", drafter_id, "--out", str(out)]
-    with open(log_dir / f"export-{drafter_id}.console", "w") as console:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
-    return out if code == 0 else None
+def _export(tools: Job, drafter_id: str) -> Path | None:
+    out = tools.run_dir / "export" / drafter_id
+    cmd = [sys.executable, "-m", "tools.export", str(tools.run_dir), "--drafter", drafter_id, "--out", str(out)]
+    return out if tools.run(f"export-{drafter_id}", cmd, EXPORT_TIMEOUT_S) == 0 else None
 
 
 def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
@@ -92,74 +92,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quality: config error: {exc}", file=sys.stderr)
         return 2
     source = Path(cfg.data.source)
-    if cfg.data.source != "pydoc" and not (source if source.is_absolute() else ROOT / source).is_file():
+    # A file or dataset directory of the checkout must be there; any other source (a hub
+    # dataset name, an absolute path) is the target's to resolve and report.
+    if not source.is_absolute() and "/" in cfg.data.source and not (ROOT / source).exists():
         print(f"quality: the recipe's data {cfg.data.source} is missing; docs/recipe.md says how to make it",
               file=sys.stderr)
         return 2
     run_dir = cfg.run.path if cfg.run.path.is_absolute() else ROOT / cfg.run.path
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    common_args = ["--config", args.config, *[f"--set={o}" for o in args.overrides]]
-    log_dir = run_dir / "logs"
-    procs: dict[str, subprocess.Popen] = {}
     started = time.monotonic()
-    ctx = zmq.Context()
     timed_out = False
-    try:
-        procs["metrics"] = _start("metrics", "metrics_sidecar", common_args, log_dir)
-        procs["target"] = _start("target", "target_server", common_args, log_dir)
-        for drafter_id in drafter_ids:
-            procs[drafter_id] = _start(f"drafter-{drafter_id}", "drafter_worker", [*common_args, "--id", drafter_id], log_dir)
-            if not args.no_watch:
-                procs[f"eval-{drafter_id}"] = _start(
-                    f"eval-watch-{drafter_id}", "tools.eval",
-                    [str(run_dir), "--watch", "--drafter", drafter_id, "--every-s", str(args.eval_every_s),
-                     "--num-prompts", "4", "--max-new-tokens", "32", "--threads", "1"], log_dir)
-        print(f"quality: started sidecar, target, drafters {', '.join(drafter_ids)} and their eval watchers; "
-              f"logs in {log_dir}")
-        last_print = 0.0
-        train_started = None
-        while any(procs[d].poll() is None for d in drafter_ids):
-            time.sleep(2.0)
-            elapsed = time.monotonic() - started
-            for name in ("target", "metrics"):
-                if procs[name].poll() is not None:
-                    print(f"quality: {name} exited with {procs[name].returncode}; see {log_dir}/{name}.log", file=sys.stderr)
-                    return 1
-            status = _status(cfg.control.address, ctx, cfg.run.path) if elapsed - last_print >= 30.0 else None
-            if status is not None:
-                last_print = elapsed
-                if train_started is None and any(d["step"] > 0 for d in status.drafters):
-                    train_started = time.monotonic()
-                parts = [f"{d['id']} step {d['step']}" for d in sorted(status.drafters, key=lambda d: d["id"])]
-                curve = [c for d in drafter_ids for c in _eval_curve(run_dir, d)[-1:]]
-                tau = f" | eval tau {curve[-1][2]:.2f} @ step {curve[-1][1]}" if curve else ""
-                print(f"quality: [{elapsed / 60:5.1f} min] {' | '.join(parts) or 'drafters registering'} | "
-                      f"target {status.tokens_per_s:.0f} tok/s{tau}", flush=True)
-            if elapsed > args.train_minutes * 60:
-                timed_out = True
-                print(f"quality: {args.train_minutes:g} minutes are up: stopping the drafters (they checkpoint)")
-                for d in drafter_ids:
-                    _stop(procs[d], timeout_s=120.0)
-                break
-        failed = {d: procs[d].returncode for d in drafter_ids if procs[d].returncode not in (0, -15)}
-        if failed:
-            print(f"quality: drafters failed: {failed}; see {log_dir}", file=sys.stderr)
-            return 1
-    finally:
-        codes = {}
-        for name in [*[f"eval-{d}" for d in drafter_ids], "target", *drafter_ids, "metrics"]:
-            if name in procs:
-                codes[name] = _stop(procs[name], timeout_s=60.0)
-        ctx.term()
+    with Job(args.config, run_dir, overrides=args.overrides) as job:
+        log_dir = job.log_dir
+        try:
+            job.start_metrics()
+            job.start_target()
+            for drafter_id in drafter_ids:
+                job.start_drafter(drafter_id)
+                if not args.no_watch:
+                    job.start_eval_watch(drafter_id, "--every-s", str(args.eval_every_s), "--num-prompts", "4",
+                                         "--max-new-tokens", "32", "--threads", "1")
+            print(f"quality: started sidecar, target, drafters {', '.join(drafter_ids)} and their eval watchers; "
+                  f"logs in {log_dir}")
+            last_print = 0.0
+            train_started = None
+            while any(job.poll(d) is None for d in drafter_ids):
+                time.sleep(2.0)
+                elapsed = time.monotonic() - started
+                for name in ("target", "metrics"):
+                    if job.poll(name) is not None:
+                        print(f"quality: {name} exited with {job.poll(name)}; see {log_dir}/{name}.log", file=sys.stderr)
+                        return 1
+                status = job.status(cfg.control.address) if elapsed - last_print >= 30.0 else None
+                if status is not None:
+                    last_print = elapsed
+                    if train_started is None and any(d.step > 0 for d in status.drafters):
+                        train_started = time.monotonic()
+                    parts = [f"{d.id} step {d.step}" for d in sorted(status.drafters, key=lambda d: d.id)]
+                    curve = [c for d in drafter_ids for c in _eval_curve(run_dir, d)[-1:]]
+                    tau = f" | eval tau {curve[-1][2]:.2f} @ step {curve[-1][1]}" if curve else ""
+                    print(f"quality: [{elapsed / 60:5.1f} min] {' | '.join(parts) or 'drafters registering'} | "
+                          f"target {status.tokens_per_s:.0f} tok/s{tau}", flush=True)
+                if elapsed > args.train_minutes * 60:
+                    timed_out = True
+                    print(f"quality: {args.train_minutes:g} minutes are up: stopping the drafters (they checkpoint)")
+                    job.stop(drafter_ids, DRAFTER_STOP_TIMEOUT_S)
+                    break
+            failed = {d: job.poll(d) for d in drafter_ids if job.poll(d) not in (0, -15)}
+            if failed:
+                print(f"quality: drafters failed: {failed}; see {log_dir}", file=sys.stderr)
+                return 1
+        finally:
+            codes = job.stop([f"eval-{d}" for d in drafter_ids], STOP_TIMEOUT_S)
+            codes.update(job.stop(["target"], STOP_TIMEOUT_S))
+            codes.update(job.stop(drafter_ids, STOP_TIMEOUT_S))
+            codes.update(job.stop(["metrics"], STOP_TIMEOUT_S))
     train_minutes = (time.monotonic() - started) / 60.0
 
     results = {}
-    for drafter_id in drafter_ids:
-        report = _eval_final(run_dir, drafter_id, args, log_dir)
-        export = _export(run_dir, drafter_id, log_dir)
-        results[drafter_id] = {"report": report, "export": str(export) if export else None,
-                               "tau_curve": _eval_curve(run_dir, drafter_id)}
+    with Job(None, run_dir) as tools:
+        for drafter_id in drafter_ids:
+            report = _eval_final(tools, drafter_id, args)
+            export = _export(tools, drafter_id)
+            results[drafter_id] = {"report": report, "export": str(export) if export else None,
+                                   "tau_curve": _eval_curve(run_dir, drafter_id)}
     total_minutes = (time.monotonic() - started) / 60.0
     lines, ok = summarize(run_dir)
     plots = _plots(run_dir)
@@ -193,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }
-    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
-    if offline:
-        print(f"  W&B offline run: {offline[-1]} (upload: wandb sync {offline[-1]})")
+    for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
+        print(f"  {line}")
     if plots:
         print("  plots: " + ", ".join(str(p) for p in plots))
     print(f"  run directory: {run_dir}")

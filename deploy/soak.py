@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import drafter_ids_in, load_config  # noqa: E402
-from deploy.demo import _start, _stop  # noqa: E402
+from deploy.launcher import Job  # noqa: E402
 from drafter_worker.checkpoint import verify_group  # noqa: E402
 
 
@@ -40,15 +40,7 @@ def rss_mb(pid: int) -> float:
 
 
 SETTLE_S = {"target": 60.0, "metrics": 5.0}  # a restarted target loads its model before it serves
-
-
-def _command(name: str, ids: list[str], common: list[str]) -> tuple[str, str, list[str]]:
-    """(log name, module, arguments) of one process of the job."""
-    if name == "target":
-        return "target", "target_server", common
-    if name == "metrics":
-        return "metrics", "metrics_sidecar", common
-    return f"drafter-{name}", "drafter_worker", [*common, "--id", name]
+STOP_TIMEOUT_S = 120.0  # per stage of the final shutdown (drafters, target, sidecar)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,40 +58,45 @@ def main(argv: list[str] | None = None) -> int:
     ids = drafter_ids_in(args.config) or [cfg.drafter.id]
     run_dir = ROOT / cfg.run.path
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = ["--config", args.config, *[f"--set={o}" for o in overrides]]
-    logs = run_dir / "logs"
     rng = random.Random(args.seed)
     names = ["metrics", "target", *ids]
-    procs = {name: _start(*_command(name, ids, common), logs) for name in names}
-    # The target loads its model; drafters build theirs and allocate their buffers over the
-    # first steps: the memory baseline is read once all of that is behind them.
-    time.sleep(60 + args.restart_every_s)
-    start_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
-    print("soak: resident memory at start (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in start_rss.items()), flush=True)
-    deadline = time.monotonic() + 60 * args.minutes
     wrong_exits: list[str] = []
     kills: list[str] = []
-    try:
-        while time.monotonic() < deadline:
-            time.sleep(min(args.restart_every_s, max(0.0, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
-                break
-            victim = rng.choice(names)
-            how = rng.choice([signal.SIGTERM, signal.SIGKILL])
-            procs[victim].send_signal(how)
-            code = procs[victim].wait(180)
-            expected = 0 if how == signal.SIGTERM else -signal.SIGKILL
-            if code != expected:
-                wrong_exits.append(f"{victim} exited {code} after {how.name} (expected {expected})")
-            procs[victim] = _start(*_command(victim, ids, common), logs)
-            kills.append(f"{victim}:{how.name}")
-            time.sleep(SETTLE_S.get(victim, 5.0))
-            print(f"soak: {how.name} {victim} (exit {code}); "
-                  + ", ".join(f"{k}={rss_mb(p.pid):.0f}MB" for k, p in procs.items()), flush=True)
-        end_rss = {name: rss_mb(p.pid) for name, p in procs.items()}
-        print("soak: resident memory at end (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in end_rss.items()))
-    finally:
-        codes = {name: _stop(procs[name], 120) for name in [*ids, "target", "metrics"]}
+    with Job(args.config, run_dir, overrides=overrides) as job:
+        try:
+            job.start_metrics()
+            job.start_target()
+            for drafter_id in ids:
+                job.start_drafter(drafter_id)
+            # The target loads its model; drafters build theirs and allocate their buffers over the
+            # first steps: the memory baseline is read once all of that is behind them.
+            time.sleep(60 + args.restart_every_s)
+            start_rss = {name: rss_mb(p.pid) for name, p in job.procs.items()}
+            print("soak: resident memory at start (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in start_rss.items()),
+                  flush=True)
+            deadline = time.monotonic() + 60 * args.minutes
+            while time.monotonic() < deadline:
+                time.sleep(min(args.restart_every_s, max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    break
+                victim = rng.choice(names)
+                how = rng.choice([signal.SIGTERM, signal.SIGKILL])
+                job.send_signal(victim, how)
+                code = job.wait(victim, 180)
+                expected = 0 if how == signal.SIGTERM else -signal.SIGKILL
+                if code != expected:
+                    wrong_exits.append(f"{victim} exited {code} after {how.name} (expected {expected})")
+                job.restart(victim)
+                kills.append(f"{victim}:{how.name}")
+                time.sleep(SETTLE_S.get(victim, 5.0))
+                print(f"soak: {how.name} {victim} (exit {code}); "
+                      + ", ".join(f"{k}={rss_mb(p.pid):.0f}MB" for k, p in job.procs.items()), flush=True)
+            end_rss = {name: rss_mb(p.pid) for name, p in job.procs.items()}
+            print("soak: resident memory at end (MB): " + ", ".join(f"{k}={v:.0f}" for k, v in end_rss.items()))
+        finally:
+            codes = job.stop(ids, STOP_TIMEOUT_S)
+            codes.update(job.stop(["target"], STOP_TIMEOUT_S))
+            codes.update(job.stop(["metrics"], STOP_TIMEOUT_S))
     print(f"soak: {len(kills)} kills ({', '.join(kills) or 'none'}); final exit codes {codes}")
     problems = wrong_exits + [f"{name} exited {code} on the final SIGTERM" for name, code in codes.items() if code != 0]
     problems += [f"{name} grew from {start_rss[name]:.0f} to {end_rss[name]:.0f} MB" for name in names

@@ -1,4 +1,4 @@
-"""``python -m drafter_worker --config FILE --id d1 [--set key=value ...]`` (console script ``dflash-drafter``)."""
+"""``dflash-drafter --config FILE --id d1 [--set KEY=VALUE ...]`` (also ``python -m drafter_worker``)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,42 @@ import os
 import threading
 import sys
 
-from common.config import ConfigError, load_config
+from common import cli
 from common.logging_setup import setup_logging
 from common.shutdown import install_stop_handlers, mark_exited
 
 logger = logging.getLogger("drafter_worker")
 
+PROG = "dflash-drafter"
+DESCRIPTION = """\
+Train one DFlash drafter on the hidden states a live target (dflash-target) streams.
+
+Registers with the target at control.address (waiting for it if it is not up
+yet), receives batches over the data plane, trains, checkpoints into
+run.root_dir/run.name/checkpoints/<id>/ and pushes metrics to the sidecar
+(dflash-metrics). Restarted with the same command it resumes from its last
+checkpoint. Settings come from [drafter], then [drafters.<id>], then --set.
+"""
+EPILOG = """\
+exit status: 0 done or stopped (SIGTERM/SIGINT: checkpoint first), 2 bad config
+or refused by the target, 3 training stopped (ten non-finite steps in a row, or
+three failed checkpoint writes in a row)."""
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-drafter", description="Train a DFlash drafter on a live target.")
-    parser.add_argument("--config", help="TOML job config (default: built-in defaults)")
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_config_args(parser, set_example="drafter.learning_rate=3e-4")
     parser.add_argument("--id", help="drafter id (same as --set drafter.id=ID); picks up [drafters.ID] from the config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key, e.g. --set drafter.learning_rate=3e-4")
     args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    if args.id:
-        overrides.insert(0, f"drafter.id={args.id!r}".replace("'", '"'))
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"dflash-drafter: config error: {exc}", file=sys.stderr)
+    overrides = cli.config_overrides(args, flags=[cli.override("drafter.id", args.id)] if args.id else [])
+    cfg = cli.load_job_config(PROG, args.config, overrides)
+    if cfg is None:
         return 2
+    if args.print_config:
+        return cli.print_config(cfg, PROG, args.config, overrides, 
+                                note=f"[drafter] is drafter {cfg.drafter.id}'s: [drafter] with [drafters.{cfg.drafter.id}] "
+                                     "and the overrides applied")
     setup_logging(f"drafter-{cfg.drafter.id}", cfg.run.path / "logs")
 
     from drafter_worker.worker import DrafterWorker, FatalError, TrainingStopped

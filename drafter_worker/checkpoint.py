@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from common.dflash_model import DFlashDrafter, load_drafter, save_drafter
+from drafter_worker.model.dflash_model import DFlashDrafter, load_drafter, save_drafter
 from common.durable_io import cut_torn_tail, fsync_path, replace_durably, write_all, write_durably
 
 logger = logging.getLogger(__name__)
@@ -137,14 +137,19 @@ class TrainerState:
     train_samples: int = 0
     data_fingerprint: str = ""
     batches_per_epoch: int = 0
+    # The drafter directory training started from (drafter.init_from); empty for a random start.
+    init_from: str = ""
 
     def to_json(self) -> dict:
-        return {
+        data = {
             "step": self.step, "coverage": self.coverage.to_json(), "drafter_id": self.drafter_id,
             "group": self.group, "model_id": self.model_id, "tokens_trained": self.tokens_trained,
             "train_samples": self.train_samples, "data_fingerprint": self.data_fingerprint,
             "batches_per_epoch": self.batches_per_epoch,
         }
+        if self.init_from:
+            data["init_from"] = self.init_from
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
@@ -152,7 +157,7 @@ class TrainerState:
             step=int(data["step"]), coverage=Coverage.from_json(data["coverage"]), drafter_id=data["drafter_id"],
             group=data["group"], model_id=data["model_id"], tokens_trained=int(data.get("tokens_trained", 0)),
             train_samples=int(data.get("train_samples", 0)), data_fingerprint=data.get("data_fingerprint", ""),
-            batches_per_epoch=int(data.get("batches_per_epoch", 0)),
+            batches_per_epoch=int(data.get("batches_per_epoch", 0)), init_from=data.get("init_from", ""),
         )
 
 
@@ -166,6 +171,51 @@ def _why_unreadable(path: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"has an unreadable trainer_state.json ({type(exc).__name__}: {exc})"
     return ""
+
+
+class InitFromError(ValueError):
+    """``drafter.init_from`` names no usable drafter, or one made for another target; the message says which."""
+
+
+def load_init_from(
+    directory: str | Path,
+    device: torch.device,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    block_size: int,
+) -> DFlashDrafter:
+    """The drafter of an exported or published DFlash directory (``drafter.init_from``), in fp32 on
+    ``device``, after checking that it fits this target and block size; raises :class:`InitFromError`."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise InitFromError(f"drafter.init_from = {str(directory)!r}: no config.json there "
+                            "(expected an exported or published DFlash drafter directory)")
+    try:
+        model = load_drafter(path, device=device)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise InitFromError(f"drafter.init_from = {str(directory)!r} cannot be loaded as a DFlash drafter: "
+                            f"{type(exc).__name__}: {exc}") from None
+    config = model.config
+    wrong = []
+    if config.hidden_size != hidden_size:
+        wrong.append(f"hidden size {config.hidden_size}, the target's is {hidden_size}")
+    if config.vocab_size != vocab_size:
+        wrong.append(f"vocabulary size {config.vocab_size}, the target's is {vocab_size}")
+    if list(model.target_layer_ids) != list(target_layer_ids):
+        wrong.append(f"target layers {list(model.target_layer_ids)}, the target captures {list(target_layer_ids)} "
+                     f"(set target.target_layer_ids = {list(model.target_layer_ids)})")
+    if model.mask_token_id != mask_token_id:
+        wrong.append(f"mask token {model.mask_token_id}, the target uses {mask_token_id} "
+                     f"(set target.mask_token_id = {model.mask_token_id})")
+    if model.block_size != block_size:
+        wrong.append(f"block size {model.block_size}, drafter.block_size is {block_size} "
+                     f"(set drafter.block_size = {model.block_size})")
+    if wrong:
+        raise InitFromError(f"drafter.init_from = {str(directory)!r} was made for another setup: " + "; ".join(wrong))
+    return model.float()
 
 
 class CheckpointStore:

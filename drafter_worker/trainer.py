@@ -15,16 +15,22 @@ in a row.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from common.config import DrafterConfig
-from common.device_metrics import DeviceAccumulators
-from common.dflash_model import DFlashDrafter, dflash_block_loss
+from common.metric_names import Drafter
+from drafter_worker.model.device_metrics import DeviceAccumulators
+from drafter_worker.model.dflash_model import DFlashDrafter, dflash_block_loss
+from drafter_worker.model.lm_loss import resolve_mode
+
+logger = logging.getLogger(__name__)
 
 
 MAX_NONFINITE_STREAK = 10  # this many non-finite steps in a row stop the drafter (exit code 3)
+NONFINITE_STREAK = "nonfinite_streak"  # in summarize()'s output for the worker's stop rule; not a series
 
 
 def schedule_length(cfg: DrafterConfig, plan_steps: int = 0) -> int:
@@ -76,6 +82,7 @@ class DrafterTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
         bs = model.block_size
+        logger.info("[model] LM-head loss: %s (drafter.loss_impl = %s)", resolve_mode(device, cfg.loss_impl), cfg.loss_impl)
         # Consecutive non-finite steps so far (device scalar; never read in the step).
         self.nonfinite_streak = torch.zeros((), device=device)
         self.metrics = DeviceAccumulators(device, {
@@ -86,9 +93,9 @@ class DrafterTrainer:
             "correct": (bs, "sum"),
             "count": (bs, "sum"),
             "grad_norm_sum": (1, "sum"),
-            "grad_norm_max": (1, "max"),
+            "grad_norm_peak": (1, "max"),
             "clipped": (1, "sum"),
-            "label_tokens": (1, "sum"),
+            "labels": (1, "sum"),
         })
 
     def train_step(
@@ -115,6 +122,7 @@ class DrafterTrainer:
             lm_head_weight=lm_head_weight,
             num_anchors=self.cfg.anchors_per_sequence,
             loss_gamma=self.cfg.loss_gamma,
+            loss_impl=self.cfg.loss_impl,
             generator=self.generator,
         )
         out.loss.backward()
@@ -149,9 +157,9 @@ class DrafterTrainer:
         m.add("correct", correct_per_pos * ok)
         m.add("count", count_per_pos * ok)
         m.add("grad_norm_sum", torch.where(finite, grad_norm, 0.0))
-        m.maximum("grad_norm_max", torch.where(finite, grad_norm, 0.0))
+        m.maximum("grad_norm_peak", torch.where(finite, grad_norm, 0.0))
         m.add("clipped", (finite & (grad_norm > self.cfg.grad_clip)).float())
-        m.add("label_tokens", num_tokens * ok)
+        m.add("labels", num_tokens * ok)
 
 
     def warm_up(self, shapes: list[tuple[int, int]], feature_dim: int, embed_weight, lm_head_weight) -> None:
@@ -172,6 +180,7 @@ class DrafterTrainer:
                 lm_head_weight=lm_head_weight,
                 num_anchors=self.cfg.anchors_per_sequence,
                 loss_gamma=self.cfg.loss_gamma,
+            loss_impl=self.cfg.loss_impl,
                 generator=generator,
             )
             out.loss.backward()
@@ -193,18 +202,18 @@ def summarize(values: dict[str, list[float]]) -> dict[str, float]:
         run *= a
         eal += run
     out = {
-        "loss": values["loss_sum"][0] / steps,
-        "grad_norm": values["grad_norm_sum"][0] / steps,
-        "grad_norm_max": values["grad_norm_max"][0],
-        "clip_rate": values["clipped"][0] / steps,
-        "label_tokens": values["label_tokens"][0],
-        "eal": eal,
-        "nonfinite_steps": values["steps"][0] - values["finite_steps"][0],
-        "nonfinite_streak": values["nonfinite_streak_max"][0],
+        Drafter.LOSS: values["loss_sum"][0] / steps,
+        Drafter.GRAD_NORM: values["grad_norm_sum"][0] / steps,
+        Drafter.GRAD_NORM_MAX: values["grad_norm_peak"][0],
+        Drafter.CLIP_RATE: values["clipped"][0] / steps,
+        Drafter.LABEL_TOKENS: values["labels"][0],
+        Drafter.EAL: eal,
+        Drafter.NONFINITE_STEPS: values["steps"][0] - values["finite_steps"][0],
+        NONFINITE_STREAK: values["nonfinite_streak_max"][0],
     }
     if finite_steps == 0:  # no finite step in the window: no loss or norm to report (not a 0)
-        for key in ("loss", "grad_norm", "grad_norm_max"):
+        for key in (Drafter.LOSS, Drafter.GRAD_NORM, Drafter.GRAD_NORM_MAX):
             del out[key]
     for k in range(1, len(acc)):
-        out[f"acc/pos_{k}"] = acc[k]
+        out[Drafter.ACC_POS(k)] = acc[k]
     return out

@@ -29,7 +29,10 @@ from common import protocol as P
 from common.auth import hello_proof, load_or_create_control_key
 from common.config import Config
 from common.devices import head_dtype, use_device
-from common.dflash_model import DFlashDrafter, init_feature_scale, init_logit_scale, make_drafter_config
+from drafter_worker.model.dflash_model import (
+    DFlashDrafter, init_feature_scale, init_logit_scale, make_drafter_config, resolve_layer_types,
+)
+from common.metric_names import DRAFTER_SOURCE, Drafter
 from common.metrics_client import MetricsPusher
 from common.sockets import SocketFactory
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
@@ -38,14 +41,11 @@ from common.streams import SideStream, record_current, wait_current
 from common.transport import (
     DRAFTER_RANK, PairGroup, TransportError, connect_store, gpu_uuid, local_address_towards, same_gpu_refusal,
 )
-from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState
-from drafter_worker.trainer import MAX_NONFINITE_STREAK, DrafterTrainer, make_optimizer, summarize
+from drafter_worker.connection import Connection, FatalError, TargetUnavailable, handshake_reply
+from drafter_worker.checkpoint import CheckpointStore, Coverage, InitFromError, Ledger, TrainerState, load_init_from
+from drafter_worker.trainer import MAX_NONFINITE_STREAK, NONFINITE_STREAK, DrafterTrainer, make_optimizer, summarize
 
 logger = logging.getLogger(__name__)
-
-
-class FatalError(RuntimeError):
-    """The target refused this drafter for a reason retrying cannot fix (config/version mismatch)."""
 
 
 class TrainingStopped(RuntimeError):
@@ -62,10 +62,6 @@ MAX_SAVE_FAILURES = 3
 
 class CheckpointSaveFailed(TrainingStopped):
     """MAX_SAVE_FAILURES checkpoint saves in a row failed."""
-
-
-class TargetUnavailable(RuntimeError):
-    """The target is gone or not answering; retry with backoff."""
 
 
 class Receiver(threading.Thread):
@@ -202,7 +198,7 @@ class DrafterWorker:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._sockets = SocketFactory(self._ctx, cfg.security.curve_dir, cfg.security.curve_client)
-        self._metrics = MetricsPusher(cfg.metrics.address, f"drafter/{self.dcfg.id}", sockets=self._sockets)
+        self._metrics = MetricsPusher(cfg.metrics.address, DRAFTER_SOURCE(self.dcfg.id), sockets=self._sockets)
         self.checkpoints = CheckpointStore(self.run_dir, self.dcfg.id, self.dcfg.keep_checkpoints, writer=True)
         self.ledger = Ledger(self.run_dir, self.dcfg.id)  # cuts a line a kill left unfinished
         self._save_failures = 0  # checkpoint saves failed in a row
@@ -356,17 +352,13 @@ class DrafterWorker:
         while time.monotonic() < deadline and not self._stop.is_set():
             if not sock.poll(100):
                 continue
-            msg = self._decode(sock.recv())
-            if isinstance(msg, P.Welcome):
+            welcome = handshake_reply(self._decode(sock.recv()))
+            if welcome is not None:
                 logger.info(
                     "[hello] registered with target %s as epoch %d (pair %s)",
-                    msg.model_id, msg.registration_epoch, msg.pair_prefix,
+                    welcome.model_id, welcome.registration_epoch, welcome.pair_prefix,
                 )
-                return msg
-            if isinstance(msg, P.Error):
-                if msg.code in (P.E_CONFIG, P.E_TRANSPORT, P.E_VERSION):
-                    raise FatalError(f"target refused this drafter: {msg.message}")
-                raise TargetUnavailable(f"target answered ERROR {msg.code}: {msg.message}")
+                return welcome
         if self._stop.is_set():
             raise TargetUnavailable("stopping before the target answered")
         raise TargetUnavailable(
@@ -410,24 +402,38 @@ class DrafterWorker:
                     f"the target captures {welcome.target_layer_ids}"
                 )
             step = self.state.step
+            if self.dcfg.init_from:
+                logger.info("[model] drafter.init_from ignored: resuming this drafter's own checkpoint")
+        elif self.dcfg.init_from:
+            model = self._init_from(welcome)
+            optimizer = make_optimizer(self.dcfg, model)
+            step = 0
+            # Trained weights: the fresh-model scaling (logit std, feature RMS) must not touch them.
+            self._fresh_model = False
+            self.state = TrainerState(0, Coverage(), self.dcfg.id, self.dcfg.group, welcome.model_id,
+                                      train_samples=welcome.train_samples, data_fingerprint=welcome.data_fingerprint,
+                                      batches_per_epoch=welcome.batches_per_epoch,
+                                      init_from=os.path.abspath(self.dcfg.init_from))
         else:
             arch = welcome.target_arch
             config = make_drafter_config(
                 hidden_size=welcome.hidden_size,
-                num_attention_heads=arch["num_attention_heads"],
-                num_key_value_heads=arch["num_key_value_heads"],
-                head_dim=arch["head_dim"],
-                intermediate_size=arch["intermediate_size"],
+                num_attention_heads=arch.num_attention_heads,
+                num_key_value_heads=arch.num_key_value_heads,
+                head_dim=arch.head_dim,
+                intermediate_size=arch.intermediate_size,
                 vocab_size=welcome.vocab_size,
-                rms_norm_eps=arch["rms_norm_eps"],
-                rope_theta=arch["rope_theta"],
-                max_position_embeddings=arch["max_position_embeddings"],
+                rms_norm_eps=arch.rms_norm_eps,
+                rope_theta=arch.rope_theta,
+                max_position_embeddings=arch.max_position_embeddings,
                 num_hidden_layers=self.dcfg.num_layers,
                 num_target_layers=welcome.num_target_layers,
                 target_layer_ids=welcome.target_layer_ids,
                 block_size=self.dcfg.block_size,
                 mask_token_id=welcome.mask_token_id,
                 draft_vocab_size=min(self.dcfg.draft_vocab_size, welcome.vocab_size),
+                layer_types=self.dcfg.layer_types,
+                sliding_window=self.dcfg.sliding_window,
             )
             torch.manual_seed(self.dcfg.seed)
             model = DFlashDrafter(config).to(self.device)
@@ -443,7 +449,29 @@ class DrafterWorker:
         self._set_plan(welcome)
         n_params = sum(p.numel() for p in model.parameters())
         logger.info("[model] drafter %s: %.2fM parameters, %d layers, block %d, starting at step %d",
-                    self.dcfg.id, n_params / 1e6, self.dcfg.num_layers, model.block_size, step)
+                    self.dcfg.id, n_params / 1e6, len(model.layers), model.block_size, step)
+
+    def _init_from(self, welcome: P.Welcome) -> DFlashDrafter:
+        """A fresh start from the trained drafter ``drafter.init_from`` names, checked against this target."""
+        try:
+            model = load_init_from(
+                self.dcfg.init_from, self.device, hidden_size=welcome.hidden_size, vocab_size=welcome.vocab_size,
+                target_layer_ids=welcome.target_layer_ids, mask_token_id=welcome.mask_token_id,
+                block_size=self.dcfg.block_size,
+            )
+        except InitFromError as exc:
+            raise FatalError(str(exc)) from None
+        dcfg, config = self.dcfg, model.config
+        theirs = (len(model.layers), list(config.layer_types or []), getattr(config, "sliding_window", None) or 0)
+        ours = (dcfg.num_layers, resolve_layer_types(dcfg.num_layers, dcfg.layer_types, dcfg.sliding_window),
+                dcfg.sliding_window)
+        if ours != theirs or (dcfg.draft_vocab_size and dcfg.draft_vocab_size != model.draft_vocab_size):
+            logger.warning("[model] drafter.init_from %s sets the architecture: %d layers %s, sliding window %s, "
+                           "draft vocabulary %s (drafter.num_layers, layer_types, sliding_window and "
+                           "draft_vocab_size are not used)", dcfg.init_from, theirs[0], theirs[1], theirs[2] or "none",
+                           model.draft_vocab_size or "none")
+        logger.info("[model] drafter %s starts from the trained drafter %s", self.dcfg.id, self.dcfg.init_from)
+        return model
 
     def _check_data(self, welcome: P.Welcome, what: str) -> None:
         """Refuse to continue training made on other data; otherwise record the target's data in the state."""
@@ -525,51 +553,29 @@ class DrafterWorker:
         # Free buffers per bucket, each with the event after which it may be overwritten.
         buffers: dict[int, list[tuple[torch.Tensor, object]]] = {}
         layouts: dict[int, BatchLayout] = {}
-        inflight = 0
-        done = False
-        sock.send(P.Request(credits=self.dcfg.credits).encode())
+        conn = Connection(credits=self.dcfg.credits, steps_per_batch=self.dcfg.steps_per_batch,
+                          max_steps=self.dcfg.max_steps, heartbeat_interval_s=welcome.heartbeat_interval_s,
+                          heartbeat_timeout_s=welcome.heartbeat_timeout_s, group=self.dcfg.group, now=time.monotonic())
+
+        def send(messages: list[P.Message]) -> None:
+            for msg in messages:
+                sock.send(msg.encode())
+
+        send(conn.start())
         self._window = _Window()  # throughput windows start with training, not with start-up
-        inflight_credits = self.dcfg.credits
-        hb_every = welcome.heartbeat_interval_s
-        timeout = welcome.heartbeat_timeout_s
-        last_heard = time.monotonic()
-        next_hb = time.monotonic()
         idle_since = time.monotonic()
         while True:
-            now = time.monotonic()
             if self._stop.is_set():
                 return "stopped"
-            if self.dcfg.max_steps and trainer.step >= self.dcfg.max_steps:
-                return "max_steps"
-            if done and inflight == 0:
-                return "done"
-            if now >= next_hb:
-                sock.send(P.Heartbeat(step=trainer.step).encode())
-                next_hb = now + hb_every
+            if outcome := conn.outcome(trainer.step):
+                return outcome
+            send(conn.heartbeat(time.monotonic(), trainer.step))
             # Control messages (before the silence check: after a long step they are queued, not lost).
-            while sock.poll(0 if inflight and not receiver.ready.empty() else 5):
-                msg = self._decode(sock.recv())
-                last_heard = time.monotonic()
-                if isinstance(msg, P.Heartbeat) and msg.capture_stalled_s > 0:
-                    raise TargetUnavailable(f"the target's capture has made no progress for {msg.capture_stalled_s:.0f}s")
-                if isinstance(msg, P.Batch):
-                    self._post_receive(msg, receiver, buffers, layouts)
-                    inflight += 1
-                    inflight_credits -= 1
-                elif isinstance(msg, P.Done):
-                    done = True
-                    logger.info("[done] target has served every batch to group %s", self.dcfg.group)
-                elif isinstance(msg, P.Bye):
-                    raise TargetUnavailable(f"target said BYE ({msg.reason})")
-                elif isinstance(msg, P.Error):
-                    if msg.code == P.E_STATE:
-                        # The target dropped this registration (it heard nothing for a heartbeat
-                        # timeout, e.g. while this side built its model): register again. Its
-                        # ERROR replies count as "heard", so waiting would never end.
-                        raise TargetUnavailable(f"target no longer knows this registration ({msg.message})")
-                    logger.warning("target reported ERROR %s: %s", msg.code, msg.message)
-            if time.monotonic() - last_heard > timeout:
-                raise TargetUnavailable(f"target silent for {time.monotonic() - last_heard:.1f}s (heartbeat timeout {timeout:.0f}s)")
+            while sock.poll(0 if conn.inflight and not receiver.ready.empty() else 5):
+                batch = conn.on_message(self._decode(sock.recv()), time.monotonic())
+                if batch is not None:
+                    self._post_receive(batch, receiver, buffers, layouts)
+            conn.check_alive(time.monotonic())
             # A completed receive: train on it.
             try:
                 item = receiver.ready.get_nowait()
@@ -578,7 +584,6 @@ class DrafterWorker:
             if isinstance(item, TransportError):
                 raise item
             meta, buf, ready_event = item
-            inflight -= 1
             wait_s = time.monotonic() - idle_since
             start = time.perf_counter()
             wait_current(self.device, ready_event)  # device-side: the receive's stream filled buf
@@ -594,14 +599,8 @@ class DrafterWorker:
             if _crossed(first_step - 1, trainer.step, self.dcfg.checkpoint_every_steps):
                 # The target keeps hearing from us however long the save takes.
                 self._checkpoint(heartbeat=lambda: sock.send(P.Heartbeat(step=trainer.step).encode()),
-                                 heartbeat_every_s=hb_every)
-            sock.send(P.Ack(batch_ids=[meta.batch_id], step=trainer.step, checkpoint_step=self._checkpoint_step).encode())
-            # Keep (in flight + unused credits) at the configured credits, but never ask past max_steps.
-            granted = inflight + inflight_credits
-            past_budget = self.dcfg.max_steps and trainer.step + granted * self.dcfg.steps_per_batch >= self.dcfg.max_steps
-            if not past_budget and granted < self.dcfg.credits:
-                sock.send(P.Request(credits=1).encode())
-                inflight_credits += 1
+                                 heartbeat_every_s=welcome.heartbeat_interval_s)
+            send(conn.on_trained(meta.batch_id, trainer.step, self._checkpoint_step))
 
     def _post_receive(self, msg: P.Batch, receiver: Receiver, buffers: dict, layouts: dict) -> None:
         """Hand the receiver a free buffer of the batch's bucket (allocated on first use) to fill."""
@@ -696,7 +695,7 @@ class DrafterWorker:
         w, step, lr = self._window_host
         self._window_host = None
         record = summarize(values)
-        streak = record.pop("nonfinite_streak")
+        streak = record.pop(NONFINITE_STREAK)
         self._send_record(record, w, step, lr)
         if streak >= MAX_NONFINITE_STREAK:
             raise NonFiniteTraining(
@@ -708,17 +707,17 @@ class DrafterWorker:
     def _send_record(self, record: dict, w: _Window, step: int, lr: float) -> None:
         elapsed = max(time.monotonic() - w.start, 1e-9)
         record.update({
-            "lr": lr,
-            "tokens_per_s": w.tokens / elapsed,
-            "samples_per_s": w.samples / elapsed,
-            "data_wait_frac": w.wait_s / elapsed,
-            "compute_ms": 1000.0 * w.compute_s / max(1, w.steps),
-            "tokens_trained": self.state.tokens_trained,
-            "checkpoint_step": self._checkpoint_step,
+            Drafter.LR: lr,
+            Drafter.TOKENS_PER_S: w.tokens / elapsed,
+            Drafter.SAMPLES_PER_S: w.samples / elapsed,
+            Drafter.DATA_WAIT_FRAC: w.wait_s / elapsed,
+            Drafter.COMPUTE_MS: 1000.0 * w.compute_s / max(1, w.steps),
+            Drafter.TOKENS_TRAINED: self.state.tokens_trained,
+            Drafter.CHECKPOINT_STEP: self._checkpoint_step,
         })
         if self.device.type == "cuda":
-            record["mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 1e9
-            record["mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            record[Drafter.MEM_ALLOCATED_GB] = torch.cuda.memory_allocated(self.device) / 1e9
+            record[Drafter.MEM_PEAK_GB] = torch.cuda.max_memory_allocated(self.device) / 1e9
         self._metrics.send(record, step=step)
 
     def close(self) -> None:

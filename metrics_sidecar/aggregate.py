@@ -2,13 +2,19 @@
 
 Pure bookkeeping, no sockets and no W&B, so it is tested on its own.
 
-Per window the sidecar logs ONE row:
+Per window the sidecar logs:
 - for every source that reported in the window: its latest value of each key it
-  reported, as f"{source}/{key}", plus f"{source}/step" (its latest step);
+  reported, plus "step" (its latest training step) and, when an evaluation
+  record (only eval/* keys, dflash-eval --watch) arrived, "eval/step" (the
+  evaluated checkpoint's step): `Window.sources[source]`;
 - `pipeline/*`: aggregates over the live drafters' latest state (loss mean, min,
   max; step skew; slowest step; summed tokens/s; number of drafters);
 - `sidecar/*`: the sidecar's own counters (filled in by the caller), and
-  `sidecar/window`, the step axis of `pipeline/*` and `sidecar/*`.
+  `sidecar/window`, the step axis of `pipeline/*` and `sidecar/*`: `Window.job`.
+
+`Window.row` is all of it as one flat row, each source's keys under
+f"{source}/" (the names metrics.jsonl and docs/metrics.md use); the W&B
+uploader splits it into one row per W&B run (wandb_layout.py).
 """
 
 from __future__ import annotations
@@ -18,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common.metric_names import (
+    DRAFTER_SOURCE, EVAL_PREFIX, STEP, TARGET_SOURCE, Drafter, Eval, Pipeline, Sidecar, Target,
+)
 from common.metrics_client import MetricsRecord, Number
-
-DRAFTER_PREFIX = "drafter/"
-TARGET_SOURCE = "target"
-WINDOW_KEY = "sidecar/window"
 
 
 @dataclass
@@ -32,6 +37,7 @@ class SourceState:
     step: int
     values: dict[str, Number] = field(default_factory=dict)
     last_seen: float = 0.0  # monotonic clock
+    eval_step: int | None = None  # step of the latest eval-only record
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,16 @@ class Window:
     """One closed window, ready to log."""
 
     index: int
-    row: dict[str, Number]
-    sources: tuple[str, ...]  # sources with series in `row`
+    sources: dict[str, dict[str, Number]]  # per source reporting in the window: latest values, "step", "eval/step"
+    job: dict[str, Number]  # pipeline/*, sidecar/* and sidecar/window
     line: str  # the human log line
+
+    @property
+    def row(self) -> dict[str, Number]:
+        """The whole window as one flat row: each source's keys under f"{source}/"."""
+        row = {f"{source}/{key}": value for source, values in self.sources.items() for key, value in values.items()}
+        row.update(self.job)
+        return row
 
 
 @dataclass(frozen=True)
@@ -54,7 +67,7 @@ class PipelineView:
 
 
 def drafter_id(source: str) -> str:
-    return source[len(DRAFTER_PREFIX):]
+    return source[len(DRAFTER_SOURCE.prefix):]
 
 
 def _natural_key(text: str) -> list[object]:
@@ -67,28 +80,28 @@ def pipeline_aggregates(states: dict[str, SourceState], now: float, stale_after_
     live: dict[str, SourceState] = {}
     stale: list[str] = []
     for source, state in states.items():
-        if not source.startswith(DRAFTER_PREFIX):
+        if not source.startswith(DRAFTER_SOURCE.prefix):
             continue
         if now - state.last_seen > stale_after_s:
             stale.append(drafter_id(source))
         else:
             live[source] = state
-    values: dict[str, Number] = {"pipeline/num_drafters": len(live)}
+    values: dict[str, Number] = {Pipeline.NUM_DRAFTERS: len(live)}
     slowest = None
     if live:
         steps = {source: state.step for source, state in live.items()}
         slowest_source = min(sorted(steps, key=_natural_key), key=lambda s: steps[s])
         slowest = drafter_id(slowest_source)
-        values["pipeline/step_skew"] = max(steps.values()) - min(steps.values())
-        values["pipeline/slowest_drafter_step"] = steps[slowest_source]
-        losses = [s.values["loss"] for s in live.values() if "loss" in s.values]
+        values[Pipeline.STEP_SKEW] = max(steps.values()) - min(steps.values())
+        values[Pipeline.SLOWEST_DRAFTER_STEP] = steps[slowest_source]
+        losses = [s.values[Drafter.LOSS] for s in live.values() if Drafter.LOSS in s.values]
         if losses:
-            values["pipeline/loss_mean"] = sum(losses) / len(losses)
-            values["pipeline/loss_min"] = min(losses)
-            values["pipeline/loss_max"] = max(losses)
-        rates = [s.values["tokens_per_s"] for s in live.values() if "tokens_per_s" in s.values]
+            values[Pipeline.LOSS_MEAN] = sum(losses) / len(losses)
+            values[Pipeline.LOSS_MIN] = min(losses)
+            values[Pipeline.LOSS_MAX] = max(losses)
+        rates = [s.values[Drafter.TOKENS_PER_S] for s in live.values() if Drafter.TOKENS_PER_S in s.values]
         if rates:
-            values["pipeline/drafter_tokens_per_s"] = sum(rates)
+            values[Pipeline.DRAFTER_TOKENS_PER_S] = sum(rates)
     return PipelineView(values=values, slowest=slowest, stale=tuple(sorted(stale, key=_natural_key)))
 
 
@@ -109,36 +122,36 @@ def format_window_line(
     """
     stale = set(pipeline.stale)
     parts = []
-    drafters = sorted((s for s in states if s.startswith(DRAFTER_PREFIX)), key=_natural_key)
+    drafters = sorted((s for s in states if s.startswith(DRAFTER_SOURCE.prefix)), key=_natural_key)
     for source in drafters:
         if drafter_id(source) in stale:
             continue
         st = states[source]
         v = st.values
         parts.append(
-            f"{drafter_id(source)} step={st.step:>6d} loss={_cell(v.get('loss'), '.3f', 6)}"
-            f" eal={_cell(v.get('eal'), '.2f', 5)} lr={_cell(v.get('lr'), '.1e', 7)}"
-            f" tok/s={_cell(v.get('tokens_per_s'), '.0f', 6)}"
+            f"{drafter_id(source)} step={st.step:>6d} loss={_cell(v.get(Drafter.LOSS), '.3f', 6)}"
+            f" eal={_cell(v.get(Drafter.EAL), '.2f', 5)} lr={_cell(v.get(Drafter.LR), '.1e', 7)}"
+            f" tok/s={_cell(v.get(Drafter.TOKENS_PER_S), '.0f', 6)}"
         )
     target = states.get(TARGET_SOURCE)
     if target is None:
         parts.append("target -")
     else:
         parts.append(
-            f"target step={target.step:>6d} tok/s={_cell(target.values.get('tokens_per_s'), '.0f', 6)}"
-            f" queue={_cell(target.values.get('queue_depth'), 'g', 3)}"
+            f"target step={target.step:>6d} tok/s={_cell(target.values.get(Target.TOKENS_PER_S), '.0f', 6)}"
+            f" queue={_cell(target.values.get(Target.QUEUE_DEPTH), 'g', 3)}"
         )
     tail = (
-        f"skew={_cell(pipeline.values.get('pipeline/step_skew'), 'd', 3)}"
+        f"skew={_cell(pipeline.values.get(Pipeline.STEP_SKEW), 'd', 3)}"
         f" slowest={pipeline.slowest or '-'}"
     )
     if stale:
         tail += f" stale={','.join(pipeline.stale)}"
     tail += (
-        f" | recv={sidecar_values.get('sidecar/records_received', 0)}"
-        f" bad={sidecar_values.get('sidecar/records_malformed', 0)}"
-        f" dropped={sidecar_values.get('sidecar/records_dropped_by_producers', 0)}"
-        f" backlog={sidecar_values.get('sidecar/upload_backlog', 0)}"
+        f" | recv={sidecar_values.get(Sidecar.RECORDS_RECEIVED, 0)}"
+        f" bad={sidecar_values.get(Sidecar.RECORDS_MALFORMED, 0)}"
+        f" dropped={sidecar_values.get(Sidecar.RECORDS_DROPPED_BY_PRODUCERS, 0)}"
+        f" backlog={sidecar_values.get(Sidecar.UPLOAD_BACKLOG, 0)}"
     )
     parts.append(tail)
     return f"[window {index:>5d}] " + " | ".join(parts)
@@ -192,7 +205,8 @@ class WindowAggregator:
         is_new = state is None
         # Eval records (dflash-eval --watch) carry a checkpoint's step, which lags
         # training: they must not rewind the source's progress, skew or step axis.
-        eval_only = bool(record.values) and all(k.startswith("eval/") for k in record.values)
+        # Their step goes to the window as "eval/step" instead.
+        eval_only = bool(record.values) and all(k.startswith(EVAL_PREFIX) for k in record.values)
         if state is None:
             state = self.states[record.source] = SourceState(step=record.step)
         if not eval_only:
@@ -201,9 +215,11 @@ class WindowAggregator:
         state.last_seen = now
         upd = self._window.get(record.source)
         if upd is None:
-            upd = self._window[record.source] = SourceState(step=record.step)
+            upd = self._window[record.source] = SourceState(step=state.step)
         elif not eval_only:
             upd.step = record.step
+        if eval_only:
+            upd.eval_step = record.step
         upd.values.update(record.values)
         upd.last_seen = now
         self.pending += 1
@@ -213,17 +229,15 @@ class WindowAggregator:
         """Close the open window; `sidecar_values` are the sidecar/* counters to log."""
         index = self.next_index
         self.next_index += 1
-        row: dict[str, Number] = {}
+        sources: dict[str, dict[str, Number]] = {}
         for source, upd in self._window.items():
-            for key, value in upd.values.items():
-                row[f"{source}/{key}"] = value
-            row[f"{source}/step"] = upd.step
+            values = sources[source] = dict(upd.values)
+            values[STEP] = upd.step
+            if upd.eval_step is not None:
+                values[Eval.STEP] = upd.eval_step
         pipeline = pipeline_aggregates(self.states, self._clock(), self.stale_after_s)
-        row.update(pipeline.values)
-        row.update(sidecar_values)
-        row[WINDOW_KEY] = index
-        sources = tuple(self._window)
+        job = {**pipeline.values, **sidecar_values, Sidecar.WINDOW: index}
         line = format_window_line(index, self.states, pipeline, sidecar_values)
         self._window = {}
         self.pending = 0
-        return Window(index=index, row=row, sources=sources, line=line)
+        return Window(index=index, sources=sources, job=job, line=line)

@@ -14,16 +14,18 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
+from common.metric_names import Sidecar
 from common.metrics_client import MalformedRecord, parse_metrics_record
 from common.durable_io import replace_durably
 from common.sockets import SecurityError, SocketFactory, check_bind
 from metrics_sidecar.aggregate import WindowAggregator
 from metrics_sidecar.jsonl_log import JsonlLog
-from metrics_sidecar.wandb_uploader import WANDB_MODES, WandbUploader, sync_command
+from metrics_sidecar.wandb_layout import resolve_wandb_settings
+from metrics_sidecar.wandb_uploader import WandbUploader, sync_command
 
 logger = logging.getLogger("metrics_sidecar")
 
@@ -59,10 +61,14 @@ class MetricsSidecar:
         *,
         window_s: float = 2.0,
         max_records_per_window: int = 10000,
-        wandb_mode: str = "offline",
-        wandb_project: str = "dflash",
+        wandb_mode: str | None = None,
+        wandb_project: str | None = None,
         wandb_entity: str | None = None,
+        wandb_group: str | None = None,
+        wandb_dir: str | Path | None = None,
         wandb_config: dict[str, Any] | None = None,
+        drafter_config: Callable[[str], dict[str, Any]] | None = None,
+        max_drafter_runs: int = 16,
         stop_event: threading.Event | None = None,
         stale_after_s: float = 60.0,
         max_sources: int = 1024,
@@ -76,10 +82,11 @@ class MetricsSidecar:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if max_records_per_window < 1:
             raise ValueError(f"max_records_per_window must be >= 1, got {max_records_per_window}")
-        if wandb_mode not in WANDB_MODES:
-            raise ValueError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}, got {wandb_mode!r}")
         if not run_name:
             raise ValueError("run_name must not be empty")
+        # Each W&B setting: the value given, else its WANDB_* variable, else the default.
+        settings = resolve_wandb_settings(run_dir=run_dir, job_name=run_name, mode=wandb_mode, project=wandb_project,
+                                          entity=wandb_entity, dir=wandb_dir, group=wandb_group)
         self.address = address
         self.run_dir = Path(run_dir)
         self.run_name = run_name
@@ -115,14 +122,18 @@ class MetricsSidecar:
             self._aggregator = WindowAggregator(
                 stale_after_s=stale_after_s, max_sources=max_sources, first_window=self._load_next_window()
             )
-            if wandb_mode != "disabled":
+            if settings.mode != "disabled":
                 self._uploader = WandbUploader(
                     run_dir=self.run_dir,
                     run_name=run_name,
-                    mode=wandb_mode,
-                    project=wandb_project,
-                    entity=wandb_entity,
+                    mode=settings.mode,
+                    project=settings.project,
+                    entity=settings.entity,
+                    group=settings.group,
+                    wandb_dir=settings.dir,
                     config=wandb_config,
+                    drafter_config=drafter_config,
+                    max_drafter_runs=max_drafter_runs,
                     queue_size=upload_queue_windows,
                     retries=wandb_retries,
                 )
@@ -130,10 +141,15 @@ class MetricsSidecar:
         except BaseException:
             sock.close(linger=0)
             raise
-        upload = f" (upload with: {sync_command(self.run_dir)})" if wandb_mode == "offline" else ""
+        if settings.mode == "disabled":
+            where = ""
+        else:
+            where = f" project {settings.project} group {settings.group} in {settings.dir / 'wandb'}"
+            if settings.mode == "offline":
+                where += f" (upload with: {sync_command(settings.dir)})"
         logger.info(
             "[startup] metrics sidecar listening on %s, run %s in %s, window %.1f s, W&B %s%s",
-            address, run_name, self.run_dir, window_s, wandb_mode, upload,
+            address, run_name, self.run_dir, window_s, settings.mode, where,
         )
 
     @staticmethod
@@ -154,8 +170,9 @@ class MetricsSidecar:
     # --- public -------------------------------------------------------------
 
     @property
-    def wandb_run_id(self) -> str | None:
-        return self._uploader.run_id if self._uploader else None
+    def wandb_run_ids(self) -> dict[str, str]:
+        """W&B run id by run ("target", "drafter/<id>"); empty with W&B disabled."""
+        return self._uploader.run_ids if self._uploader else {}
 
     def request_stop(self) -> None:
         """Ask `run()` to drain, log a final window and return. Signal-safe."""
@@ -165,15 +182,16 @@ class MetricsSidecar:
         """The sidecar/* counters as they would be logged now."""
         up = self._uploader
         return {
-            "sidecar/records_received": self.records_received,
-            "sidecar/records_malformed": self.records_malformed,
-            "sidecar/records_refused": self.records_refused,
-            "sidecar/sources_tracked": len(self._aggregator.states),
-            "sidecar/records_dropped_by_producers": self.records_dropped_by_producers,
-            "sidecar/wandb_calls": up.calls if up else 0,
-            "sidecar/wandb_log_ms": up.last_log_ms if up else 0.0,
-            "sidecar/upload_backlog": up.backlog if up else 0,
-            "sidecar/windows_dropped": up.windows_dropped if up else 0,
+            Sidecar.RECORDS_RECEIVED: self.records_received,
+            Sidecar.RECORDS_MALFORMED: self.records_malformed,
+            Sidecar.RECORDS_REFUSED: self.records_refused,
+            Sidecar.SOURCES_TRACKED: len(self._aggregator.states),
+            Sidecar.RECORDS_DROPPED_BY_PRODUCERS: self.records_dropped_by_producers,
+            Sidecar.WANDB_CALLS: up.calls if up else 0,
+            Sidecar.WANDB_LOG_MS: up.last_log_ms if up else 0.0,
+            Sidecar.UPLOAD_BACKLOG: up.backlog if up else 0,
+            Sidecar.WINDOWS_DROPPED: up.windows_dropped if up else 0,
+            Sidecar.WANDB_RUNS: up.runs_open if up else 0,
         }
 
     def run(self) -> None:

@@ -1,4 +1,4 @@
-"""The single W&B run of a training run, fed from a worker thread.
+"""The job's W&B runs (one per drafter, one for the target), fed from a worker thread.
 
 Every W&B call (init, define_metric, log, finish) happens on the uploader's own
 thread, so the sidecar's receive loop never waits on W&B. Windows wait in a
@@ -6,68 +6,55 @@ bounded queue (its length is `sidecar/upload_backlog`); when it is full the
 oldest window is dropped. A failing call is retried with exponential backoff a
 few times, then dropped with a log line; W&B failing never stops the sidecar.
 
-Restarts: every sidecar start opens the same run id (`wandb_run_id` in the run
-directory) with resume="allow", and logs window i as W&B step i (the window
-counter survives restarts, see sidecar.py), so the history segments of
-successive starts hold disjoint, increasing `_step` ranges. Online, W&B
-resumes the run on the spot. Offline, each start writes its own
-wandb/offline-run-*/ directory, and W&B does not record the resume setting in
-it: the upload must run with resume set, `sync_command(run_dir)`, so that each
-later segment is appended after the history already uploaded instead of
-overwriting it from line 0 (docs/metrics.md, "Durability, restarts and limits").
+Runs (wandb_layout.py): the target run is opened at start; a drafter's run
+when its first series arrive, up to `max_drafter_runs` (the series of a
+drafter without a run of its own go to the target run under
+`drafter/<id>/`). All runs live in one process (`reinit="create_new"`) and
+one W&B group.
+
+Restarts: every sidecar start opens the same run ids (`wandb_runs.json` in
+the run directory) with resume="allow", and logs window i as W&B step i in
+every run (the window counter survives restarts, see sidecar.py), so the
+history segments of successive starts hold disjoint, increasing `_step`
+ranges. Online, W&B resumes the runs on the spot. Offline, each start writes
+one wandb/offline-run-*/ directory per run, and W&B does not record the
+resume setting in them: the upload must run with resume set,
+`sync_command(dir)`, so that each later segment is appended after the history
+already uploaded instead of overwriting it from line 0 (docs/metrics.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
-import re
 import shlex
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from metrics_sidecar.aggregate import WINDOW_KEY, Window
+from common.metric_names import EVAL_PREFIX, PIPELINE_PREFIX, SIDECAR_PREFIX, STEP, Sidecar
+from common.metrics_client import Number
+from metrics_sidecar.aggregate import Window
+from metrics_sidecar.wandb_layout import (
+    TARGET_RUN,
+    RunRegistry,
+    RunSpec,
+    WandbSettings,
+    drafter_id_of,
+    drafter_step_metric,
+    split_window,
+)
 
 logger = logging.getLogger(__name__)
-
-RUN_ID_FILE = "wandb_run_id"
-WANDB_MODES = ("offline", "online", "disabled")
 
 _STOP = object()
 
 
-def stable_run_id(run_name: str) -> str:
-    """A W&B run id derived from the run name only: readable prefix + hash."""
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", run_name).strip("-")[:48] or "run"
-    digest = hashlib.sha1(run_name.encode("utf-8")).hexdigest()[:8]
-    return f"{slug}-{digest}"
-
-
-def load_or_create_run_id(run_dir: str | Path, run_name: str) -> str:
-    """The run id saved in run_dir/wandb_run_id, written there on first use.
-
-    The saved id wins over the derived one, so a restarted sidecar always
-    resumes the run that this run directory started.
-    """
-    path = Path(run_dir) / RUN_ID_FILE
-    if path.exists():
-        saved = path.read_text(encoding="utf-8").strip()
-        if saved:
-            return saved
-    run_id = stable_run_id(run_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(run_id + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return run_id
-
-
-def sync_command(run_dir: str | Path) -> str:
-    """The command that uploads every offline segment of the run as one history."""
-    return f"WANDB_RESUME=allow wandb sync {shlex.quote(str(Path(run_dir) / 'wandb'))}"
+def sync_command(wandb_dir: str | Path) -> str:
+    """The command that uploads every offline segment of every run under `wandb_dir`/wandb."""
+    return f"WANDB_RESUME=allow wandb sync {shlex.quote(str(Path(wandb_dir) / 'wandb'))}"
 
 
 def _default_init(**kwargs: Any) -> Any:
@@ -83,8 +70,15 @@ def _default_init(**kwargs: Any) -> Any:
     return wandb.init(settings=settings, **kwargs)
 
 
+@dataclass
+class _OpenRun:
+    spec: RunSpec
+    run: Any
+    defined: set[str] = field(default_factory=set)  # series (drafter run) or sources (target run) with an x axis
+
+
 class WandbUploader:
-    """Owns the W&B run; `submit` hands it windows without ever blocking."""
+    """Owns the job's W&B runs; `submit` hands it windows without ever blocking."""
 
     def __init__(
         self,
@@ -94,7 +88,11 @@ class WandbUploader:
         mode: str = "offline",
         project: str = "dflash",
         entity: str | None = None,
+        group: str | None = None,
+        wandb_dir: str | Path | None = None,
         config: dict[str, Any] | None = None,
+        drafter_config: Callable[[str], dict[str, Any]] | None = None,
+        max_drafter_runs: int = 16,
         queue_size: int = 64,
         retries: int = 3,
         backoff_s: float = 0.5,
@@ -104,29 +102,44 @@ class WandbUploader:
             raise ValueError(f"WandbUploader mode must be 'offline' or 'online', got {mode!r}")
         self.run_dir = Path(run_dir)
         self.run_name = run_name
-        self.mode = mode
-        self.project = project
-        self.entity = entity or None  # "" in the config means the default entity
-        self.config = dict(config or {})
+        self.settings = WandbSettings(
+            mode=mode,
+            project=project,
+            entity=entity or None,  # "" in the config means the default entity
+            dir=Path(wandb_dir) if wandb_dir else self.run_dir,
+            group=group or run_name,
+        )
+        self.config = dict(config or {})  # the job's shared sections
+        self.drafter_config = drafter_config  # drafter id -> its resolved [drafter] section
         self.retries = retries
         self.backoff_s = backoff_s
-        self.run_id = load_or_create_run_id(self.run_dir, run_name)
+        self.settings.dir.mkdir(parents=True, exist_ok=True)
+        self._registry = RunRegistry(self.run_dir, run_name, self.settings, max_drafter_runs)
+        self._registry.spec(TARGET_RUN)  # the target run's id exists from the start
+        self._registry.save()  # records where this start's offline runs go
         self._init_fn = init_fn or _default_init
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
-        self._run: Any = None
-        self._defined: set[str] = set()
-        self.failed = False  # init gave up: windows are discarded
+        self._runs: dict[str, _OpenRun] = {}  # run key -> open run (uploader thread only)
+        self._no_run: set[str] = set()  # drafter sources whose init gave up (at most max_drafter_runs)
+        self._warned_full = False
+        self.failed = False  # the target run's init gave up: windows are discarded
         # Counters read by the receive thread (plain ints/floats: atomic to read).
         self.calls = 0
         self.failures = 0
         self.last_log_ms = 0.0
         self.windows_dropped = 0
+        self.runs_open = 0
 
     @property
     def backlog(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def run_ids(self) -> dict[str, str]:
+        """Run key ("target", "drafter/<id>") -> W&B run id, of every run the job has had."""
+        return self._registry.ids
 
     def start(self) -> None:
         if self._thread is None:
@@ -158,7 +171,7 @@ class WandbUploader:
             )
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Log what is queued, finish the run, stop the thread. Idempotent."""
+        """Log what is queued, finish the runs, stop the thread. Idempotent."""
         if self._closing.is_set():
             return
         self._closing.set()
@@ -189,52 +202,128 @@ class WandbUploader:
                 delay *= 2
         return False, None
 
-    def _init(self) -> bool:
+    def _run_config(self, spec: RunSpec) -> dict[str, Any]:
+        """The shared sections, plus for a drafter run its id and its own resolved [drafter] section."""
+        config = {**self.config, "role": spec.job_type}
+        if spec.drafter_id is None:
+            return config
+        config["drafter_id"] = spec.drafter_id
+        if self.drafter_config is not None:
+            try:
+                config["drafter"] = self.drafter_config(spec.drafter_id)
+            except Exception as exc:  # a run without its drafter section beats no run
+                logger.error("[wandb] cannot resolve the [drafter] section of %s: %s", spec.drafter_id, exc)
+        return config
+
+    def _open(self, key: str) -> bool:
+        """Open (or resume) the run of `key`; False if it has none (over the limit) or init gave up."""
+        spec = self._registry.spec(key)
+        if spec is None:
+            return False
+        s = self.settings
+        config = self._run_config(spec)
         ok, run = self._retry(
-            "init",
+            f"init of run {spec.name}",
             lambda: self._init_fn(
-                project=self.project,
-                entity=self.entity,
-                name=self.run_name,
-                id=self.run_id,
+                project=s.project,
+                entity=s.entity,
+                group=s.group,
+                job_type=spec.job_type,
+                name=spec.name,
+                id=spec.run_id,
                 resume="allow",
-                dir=str(self.run_dir),
-                mode=self.mode,
-                config=self.config,
+                dir=str(s.dir),
+                mode=s.mode,
+                config=config,
+                reinit="create_new",  # one process, several live runs
             ),
         )
         if not ok:
             return False
-        self._run = run
-        run.define_metric(WINDOW_KEY)
-        run.define_metric("pipeline/*", step_metric=WINDOW_KEY)
-        run.define_metric("sidecar/*", step_metric=WINDOW_KEY)
-        if self.mode == "offline":
-            logger.info("[wandb] run %s (offline) in %s; upload with: %s",
-                        self.run_id, self.run_dir / "wandb", sync_command(self.run_dir))
-        else:
-            logger.info("[wandb] run %s (online) in %s", self.run_id, self.run_dir / "wandb")
+        if spec.summary:  # what a resumed segment would otherwise lack: the last measured tau
+            self._retry(f"summary of run {spec.name}", lambda: run.summary.update(spec.summary))
+        opened = self._runs[key] = _OpenRun(spec, run)
+        self.runs_open = len(self._runs)
+        if key == TARGET_RUN:
+            self._retry(f"define_metric of run {spec.name}", lambda: self._define_target_axes(opened))
+        logger.info("[wandb] run %s (%s, id %s, group %s, %s) in %s",
+                    spec.name, spec.job_type, spec.run_id, s.group, s.mode, s.dir / "wandb")
         return True
 
-    def _log(self, window: Window) -> None:
-        def call() -> None:
-            for source in window.sources:
-                if source not in self._defined:
-                    self._run.define_metric(f"{source}/step")
-                    self._run.define_metric(f"{source}/*", step_metric=f"{source}/step")
-                    self._defined.add(source)
-            # W&B step = window number, which continues across restarts. commit:
-            # with an explicit step W&B would hold the row until the next window.
-            self._run.log(window.row, step=window.index, commit=True)
+    @staticmethod
+    def _define_target_axes(opened: _OpenRun) -> None:
+        opened.run.define_metric(Sidecar.WINDOW)
+        opened.run.define_metric(f"{PIPELINE_PREFIX}*", step_metric=Sidecar.WINDOW)
+        opened.run.define_metric(f"{SIDECAR_PREFIX}*", step_metric=Sidecar.WINDOW)
 
-        start = time.perf_counter()
-        ok, _ = self._retry(f"log of window {window.index}", call)
-        if ok:
+    def _has_own_run(self, source: str) -> bool:
+        if drafter_id_of(source) is None:  # the target and other sources: the target run
+            return False
+        if source in self._runs:
+            return True
+        if source in self._no_run:
+            return False
+        if source not in self._registry.ids and not self._registry.has_room():
+            if not self._warned_full:
+                self._warned_full = True
+                logger.warning(
+                    "[wandb] %d drafters have W&B runs already (metrics.wandb_max_drafter_runs); %s and any "
+                    "later drafter log into the target run as drafter/<id>/...",
+                    self._registry.max_drafter_runs, source,
+                )
+            return False
+        if self._open(source):
+            return True
+        self._no_run.add(source)  # its id is registered, so this set stays within max_drafter_runs
+        return False
+
+    def _define(self, opened: _OpenRun, row: dict[str, Number], folded: list[str]) -> None:
+        """Give each new series its x axis (before its first point, so charts use it)."""
+        run = opened.run
+        if opened.spec.key == TARGET_RUN:
+            for source in folded:
+                if source not in opened.defined:
+                    run.define_metric(f"{source}/{STEP}")
+                    run.define_metric(f"{source}/*", step_metric=f"{source}/{STEP}")
+                    opened.defined.add(source)
+            return
+        for key in sorted(row, key=lambda k: drafter_step_metric(k) is not None):  # the axes first
+            if key not in opened.defined:
+                axis = drafter_step_metric(key)
+                if axis is None:
+                    run.define_metric(key)
+                else:
+                    run.define_metric(key, step_metric=axis)
+                opened.defined.add(key)
+
+    def _log(self, window: Window) -> None:
+        split = split_window(window, self._has_own_run)
+        dropped = False
+        for key, row in split.rows.items():
+            opened = self._runs[key]
+
+            def call(opened: _OpenRun = opened, row: dict[str, Number] = row) -> None:
+                self._define(opened, row, split.folded)
+                # W&B step = window number, which continues across restarts. commit:
+                # with an explicit step W&B would hold the row until the next window.
+                opened.run.log(row, step=window.index, commit=True)
+
+            start = time.perf_counter()
+            ok, _ = self._retry(f"log of window {window.index} to {opened.spec.name}", call)
+            if not ok:
+                dropped = True
+                continue
             self.calls += 1
             self.last_log_ms = (time.perf_counter() - start) * 1000.0
+            if key != TARGET_RUN:
+                evals = {k: v for k, v in row.items() if k.startswith(EVAL_PREFIX)}
+                if evals:
+                    self._registry.remember_summary(key, evals)
+        if dropped:
+            self.windows_dropped += 1
 
     def _work(self) -> None:
-        if not self._init():
+        if not self._open(TARGET_RUN):
             self.failed = True
             logger.error("[wandb] no W&B run: metrics go to metrics.jsonl and the log only")
             self._discard_queue()
@@ -244,9 +333,12 @@ class WandbUploader:
             if item is _STOP:
                 break
             self._log(item)
-        ok, _ = self._retry("finish", lambda: self._run.finish())
-        if ok:
-            logger.info("[shutdown] W&B run %s finished: %d log call(s)", self.run_id, self.calls)
+        # Drafter runs first: the target run, opened first, is finished last.
+        for opened in sorted(self._runs.values(), key=lambda o: o.spec.key == TARGET_RUN):
+            ok, _ = self._retry(f"finish of run {opened.spec.name}", opened.run.finish)
+            if ok:
+                logger.info("[shutdown] W&B run %s finished", opened.spec.name)
+        logger.info("[shutdown] W&B: %d run(s), %d log call(s)", len(self._runs), self.calls)
 
     def _discard_queue(self) -> None:
         while True:

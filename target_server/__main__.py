@@ -1,4 +1,4 @@
-"""``python -m target_server --config FILE [--set key=value ...]`` (console script ``dflash-target``)."""
+"""``dflash-target --config FILE [--set KEY=VALUE ...]`` (also ``python -m target_server``)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,38 @@ import logging
 import os
 import sys
 
-from common.config import ConfigError, load_config
+from common import cli
 from common.logging_setup import setup_logging
 from common.shutdown import install_stop_handlers, mark_exited
 
 logger = logging.getLogger("target_server")
 
+PROG = "dflash-target"
+DESCRIPTION = """\
+Serve a target model's hidden states to DFlash drafter workers.
+
+Loads target.model, tokenizes data.source with the chat template, captures the
+DFlash layers batch by batch and sends each batch to the registered drafters
+(dflash-drafter) over the data plane; serves the control socket
+(control.address) that drafters and dflash-status talk to. Writes the resolved
+config, logs and the run key under run.root_dir/run.name/.
+"""
+EPILOG = """\
+exit status: 0 stopped cleanly (SIGTERM/SIGINT), 2 bad config, model, data or
+start-up (the message says which)."""
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-target", description="Serve target hidden states to DFlash drafters.")
-    parser.add_argument("--config", help="TOML job config (default: built-in defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config key, e.g. --set data.max_samples=100")
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_config_args(parser)
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"dflash-target: config error: {exc}", file=sys.stderr)
+    overrides = cli.config_overrides(args)
+    cfg = cli.load_job_config(PROG, args.config, overrides)
+    if cfg is None:
         return 2
+    if args.print_config:
+        return cli.print_config(cfg, PROG, args.config, overrides)
     run_dir = cfg.run.path
     setup_logging("target", run_dir / "logs")
     run_dir.mkdir(parents=True, exist_ok=True)

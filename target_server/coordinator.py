@@ -313,12 +313,12 @@ class Coordinator:
         return out
 
     # ---------------------------------------------------------------- observability
-    def status_rows(self, now: float) -> list[dict]:
+    def status_rows(self, now: float) -> list[P.DrafterStatus]:
         return [
-            {
-                "id": r.drafter_id, "group": r.group, "epoch": r.epoch, "pid": r.pid, "step": r.step,
-                "checkpoint_step": r.checkpoint_step, "inflight": len(r.inflight),
-                "heartbeat_age_s": round(now - r.last_seen, 2), "state": r.state,
-            }
+            P.DrafterStatus(
+                id=r.drafter_id, group=r.group, epoch=r.epoch, pid=r.pid, step=r.step,
+                checkpoint_step=r.checkpoint_step, inflight=len(r.inflight),
+                heartbeat_age_s=round(now - r.last_seen, 2), state=r.state,
+            )
             for r in self.regs.values()
         ]

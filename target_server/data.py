@@ -1,16 +1,13 @@
-"""Training data of the target server: conversations -> tokenized samples.
+"""Training data of the target server: a data source -> tokenized samples.
 
-A conversation is a list of ``{"role": ..., "content": ...}`` messages. It is
-rendered with the tokenizer's own chat template and tokenized once; the loss
-mask marks the tokens the assistant produced (its content and the end-of-turn
-token that closes it), never the system/user text or the template's headers.
-
-The mask is computed from character spans: for each assistant message the
-template is rendered on ``messages[:i]`` with the generation prompt (where the
-assistant text starts) and on ``messages[:i + 1]`` (where it ends); tokens of the
-full rendering whose offsets start inside that span are assistant tokens. This
-works for templates without ``{% generation %}`` markers (SmolLM2, Qwen3,
-Llama 3), and does not depend on the prefix tokenizing like the full text.
+``build_dataset`` reads a source in any supported format
+(:mod:`target_server.data_formats`: pydoc, JSONL/JSON, parquet, arrow,
+``datasets`` directories, cached hub datasets; ``messages``,
+``conversations`` and ShareGPT records), splits it, tokenizes it with the
+chat template in parallel (:mod:`target_server.chat_tokens`: the loss mask
+covers only what the assistant produced) and caches the result on disk
+(:mod:`target_server.token_cache`): the second start on the same data,
+tokenizer and settings reads the samples back instead of tokenizing.
 
 The held-out split hashes each conversation's content (with the seed), so a
 conversation lands on the same side in every run and every process, and two
@@ -25,25 +22,30 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
+
+from common.progress import Progress
+from target_server import token_cache
+from target_server.chat_tokens import TokenizerPool, Tokenized, resolve_num_proc, tokenize_conversation
+from target_server.data_formats import (
+    FORMATS,
+    ROLES,
+    DataError,
+    Messages,
+    RecordReport,
+    open_source,
+    read_conversations,
+)
 
 logger = logging.getLogger(__name__)
 
-Messages = list[dict[str, str]]
-
-ROLES = ("system", "user", "assistant", "tool")
-
-# End-of-turn markers of common chat templates; the tokenizer's eos token is
-# always one too. Used to stop the assistant mask before the template's
-# trailing newline.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
-
-
-class DataError(ValueError):
-    """A data source the user pointed at cannot be used (missing, malformed)."""
+__all__ = [
+    "DataError", "Dataset", "FORMATS", "Messages", "ROLES", "Sample", "build_dataset", "chunk_text",
+    "conversation_hash", "fingerprint", "load_conversations", "token_ranking", "tokenize_conversation",
+]
 
 
 @dataclass
@@ -77,6 +79,10 @@ class Dataset:
     num_dropped: int = 0
     num_truncated: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    num_records: int = 0  # records in the source, usable or not
+    num_skipped: int = 0  # records that could not be used (reported with file and line)
+    cache_path: str = ""  # the tokenized-cache file read or written; empty when the cache is off
+    cache_hit: bool = False
 
     def train_lengths(self) -> list[int]:
         return [len(s) for s in self.train]
@@ -86,21 +92,24 @@ class Dataset:
 # Sources
 
 
-def load_conversations(source: str, *, seed: int) -> list[Messages]:
+def load_conversations(source: str, *, seed: int, data_format: str = "auto", strict: bool = True) -> list[Messages]:
     """Load chat conversations from ``source``.
 
     ``"pydoc"``: conversations built from Python's own reference text
     (``pydoc_data.topics``), one per chunk of a topic, in an order shuffled by
     ``seed`` (so "the first N samples" is a spread of topics, not the
-    alphabetically first ones). Anything else is a path to a JSONL file with
-    one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line, kept in
-    file order (blank lines are skipped).
+    alphabetically first ones). Anything else is a file, a directory or a
+    cached hub dataset in ``data_format`` (see :mod:`target_server.data_formats`),
+    kept in source order. ``strict``: the first record that cannot be used
+    raises :class:`DataError` naming its file and line; otherwise such records
+    are skipped and reported (``build_dataset`` does that).
     """
     if source == "pydoc":
         conversations = _pydoc_conversations()
         random.Random(seed).shuffle(conversations)
         return conversations
-    return _jsonl_conversations(Path(source))
+    return read_conversations(open_source(source), data_format=data_format,
+                              report=RecordReport(strict=strict)).conversations
 
 
 def _pydoc_conversations(max_chunk_chars: int = 800, min_chunk_chars: int = 200) -> list[Messages]:
@@ -157,174 +166,22 @@ def chunk_text(text: str, *, max_chunk_chars: int, min_chunk_chars: int = 0) -> 
     return [c.strip() for c in chunks if c.strip()]
 
 
-def _jsonl_conversations(path: Path) -> list[Messages]:
-    if not path.is_file():
-        raise DataError(f"data source {str(path)!r} is not 'pydoc' and no such file exists; "
-                        "set data.source to 'pydoc' or to a JSONL file of {\"messages\": [...]} lines")
-    conversations: list[Messages] = []
-    try:
-        handle = path.open("r", encoding="utf-8")
-    except OSError as exc:
-        raise DataError(f"cannot read data file {str(path)!r}: {exc}") from exc
-    with handle:
-        try:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                conversations.append(_parse_line(path, lineno, line))
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
-    if not conversations:
-        raise DataError(f"{path}: no conversations (the file is empty)")
-    return conversations
-
-
-def _parse_line(path: Path, lineno: int, line: str) -> Messages:
-    where = f"{path}:{lineno}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-    if not isinstance(record, dict) or "messages" not in record:
-        raise DataError(f"{where}: expected an object with a \"messages\" list, got {_short(record)}")
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: \"messages\" must be a non-empty list, got {_short(messages)}")
-    out: Messages = []
-    for j, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise DataError(f"{where}: messages[{j}] must be an object, got {_short(message)}")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or role not in ROLES:
-            raise DataError(f"{where}: messages[{j}].role must be one of {', '.join(ROLES)}, got {_short(role)}")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: messages[{j}].content must be a string, got {_short(content)}")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------
-# Tokenization
-
-
-def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], max_seq_len: int) -> tuple[list[int], list[int]]:
-    """Render ``messages`` with the chat template and tokenize them.
-
-    Returns ``(input_ids, loss_mask)`` truncated to ``max_seq_len``; the mask is
-    1 on the tokens of each assistant message's content and on the end-of-turn
-    token closing it, 0 elsewhere. The mask may be all zero (no assistant
-    message, or all of it truncated away): callers drop such samples.
-    """
-    messages = [dict(m) for m in messages]
-    full = _render(tokenizer, messages, add_generation_prompt=False)
-    spans = _assistant_spans(tokenizer, messages, full)
-    if getattr(tokenizer, "is_fast", False):
-        encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = list(encoding["input_ids"])
-        offsets = encoding["offset_mapping"]
-        mask = [0] * len(input_ids)
-        k = 0
-        for t, (start, _end) in enumerate(offsets):
-            while k < len(spans) and start >= spans[k][1]:
-                k += 1
-            if k < len(spans) and spans[k][0] <= start < spans[k][1]:
-                mask[t] = 1
-    else:
-        input_ids, mask = _tokenize_by_prefixes(tokenizer, full, spans)
-    _trim_after_end_of_turn(tokenizer, input_ids, mask)
-    return input_ids[:max_seq_len], mask[:max_seq_len]
-
-
-def _render(tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _assistant_spans(tokenizer: Any, messages: Messages, full: str) -> list[tuple[int, int]]:
-    """Character spans ``[start, end)`` of the assistant turns in ``full``."""
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        head = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if i and upto.startswith(head) and full.startswith(upto) and len(head) >= cursor:
-            start, end = len(head), len(upto)
-        else:
-            # The template renders earlier turns differently once later turns
-            # exist (e.g. it strips reasoning from past assistant turns): find
-            # the content itself and the end-of-turn marker right after it.
-            found = full.find(message["content"], cursor)
-            if found < 0 or not message["content"]:
-                logger.debug("assistant message %d not found in the rendered conversation; left unmasked", i)
-                continue
-            start, end = found, found + len(message["content"])
-            for marker in _end_of_turn_strings(tokenizer):
-                if full.startswith(marker, end):
-                    end += len(marker)
-                    break
-        spans.append((start, end))
-        cursor = end
-    return spans
-
-
-def _tokenize_by_prefixes(tokenizer: Any, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """Fallback for tokenizers without offsets: tokenize rendered prefixes."""
-    input_ids = list(tokenizer(full, add_special_tokens=False)["input_ids"])
-    mask = [0] * len(input_ids)
-    for start, end in spans:
-        a = len(tokenizer(full[:start], add_special_tokens=False)["input_ids"])
-        b = len(tokenizer(full[:end], add_special_tokens=False)["input_ids"])
-        for t in range(a, min(b, len(mask))):
-            mask[t] = 1
-    return input_ids, mask
-
-
-def _token_id(tokenizer: Any, token: str) -> int | None:
-    """Id of ``token`` if it is a single token of the vocabulary, else None."""
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token:
-        return token_id
-    return None
-
-
-def _end_of_turn_strings(tokenizer: Any) -> list[str]:
-    out = [tokenizer.eos_token] if getattr(tokenizer, "eos_token", None) else []
-    out += [t for t in _END_OF_TURN_TOKENS if t not in out and _token_id(tokenizer, t) is not None]
-    return out
-
-
-def _end_of_turn_ids(tokenizer: Any) -> set[int]:
-    ids = {_token_id(tokenizer, t) for t in _end_of_turn_strings(tokenizer)}
-    return {i for i in ids if i is not None}
-
-
-def _trim_after_end_of_turn(tokenizer: Any, input_ids: list[int], mask: list[int]) -> None:
-    """Unmask template tokens after each turn's end-of-turn token (a newline)."""
-    ends = _end_of_turn_ids(tokenizer)
-    in_turn_closed = False
-    for t in range(len(mask)):
-        if not mask[t]:
-            in_turn_closed = False
-            continue
-        if in_turn_closed:
-            mask[t] = 0
-        elif input_ids[t] in ends:
-            in_turn_closed = True
-
-
 # --------------------------------------------------------------------------
 # Dataset
 
 
-def conversation_hash(messages: Sequence[dict[str, str]], seed: int) -> float:
-    """A number in [0, 1) fixed by the conversation's content and the seed."""
-    payload = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
+def conversation_hash(messages: Sequence[dict[str, Any]], seed: int) -> float:
+    """A number in [0, 1) fixed by the conversation's content and the seed.
+
+    Role and content make the hash; a message's other keys (reasoning, tool
+    calls) join it only where present, so plain conversations keep the split
+    they always had.
+    """
+    rows = []
+    for m in messages:
+        extras = {k: v for k, v in m.items() if k not in ("role", "content")}
+        rows.append([m["role"], m["content"], extras] if extras else [m["role"], m["content"]])
+    payload = json.dumps(rows, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
     digest = hashlib.sha256(f"{seed}\n{payload}".encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
@@ -365,59 +222,219 @@ def build_dataset(
     seed: int,
     heldout_fraction: float = 0.02,
     max_samples: int = 0,
+    data_format: str = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    num_proc: int = 0,
+    cache_dir: str | None = None,
 ) -> Dataset:
-    """Load, split and tokenize ``source``.
+    """Load, split and tokenize ``source``, or read it back from the tokenized cache.
 
     A conversation is held out when its content hash is below
     ``heldout_fraction``; training never sees a held-out conversation. Samples
     without an assistant token after truncation are dropped. ``sample_id`` is
     the index in ``train`` (resp. ``heldout``), stable for the same inputs.
     ``max_samples`` > 0 keeps only the first N training samples.
+
+    ``data_format``, ``chat_template_kwargs``, ``num_proc`` (0 = min(cores, 8))
+    and ``cache_dir`` are the ``data.*`` keys of the same names; ``cache_dir``
+    None (the default here) caches nothing, ``""`` uses the default directory
+    (see :func:`token_cache.resolve_cache_dir`). The samples do not depend on
+    ``num_proc`` or on whether they came from the cache. Records that cannot be
+    used are skipped and reported; :class:`DataError` only when none can be.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    if data_format not in FORMATS:
+        raise DataError(f"data.format must be one of {', '.join(FORMATS)}, got {data_format!r}")
+    kwargs = dict(chat_template_kwargs or {})
     started = time.monotonic()
-    conversations = load_conversations(source, seed=seed)
-    logger.info("[data] %d conversations from %s (%.1fs)", len(conversations), source, time.monotonic() - started)
+    src = open_source(source)
+    directory = token_cache.resolve_cache_dir(cache_dir) if cache_dir is not None else None
+    path = key = None
+    if directory is not None:
+        key = token_cache.cache_key({
+            "data": src.fingerprint, "format": data_format, "tokenizer": token_cache.tokenizer_digest(tokenizer),
+            "chat_template_kwargs": kwargs, "max_seq_len": max_seq_len, "seed": seed,
+            "heldout_fraction": heldout_fraction, "max_samples": max_samples,
+        })
+        path = token_cache.cache_path(directory, source, key)
+        dataset = _read_cache(path, key, source)
+        if dataset is not None:
+            logger.info("[data] tokenized cache hit: %s (%d train / %d held-out samples); tokenization skipped (%.1fs)",
+                        path, len(dataset.train), len(dataset.heldout), time.monotonic() - started)
+            _log_dataset(dataset, max_seq_len)
+            return dataset
+        logger.info("[data] tokenized cache miss: %s", path)
+    else:
+        logger.info("[data] tokenized cache off")
 
+    report = RecordReport()
+    if src.kind == "pydoc":
+        conversations = load_conversations(source, seed=seed)
+        where = [f"pydoc:{i}" for i in range(len(conversations))]
+        report.total = len(conversations)
+        resolved = "messages"
+    else:
+        read = read_conversations(src, data_format=data_format, report=report)
+        conversations, where, resolved = read.conversations, read.where, read.data_format
+    logger.info("[data] %d conversations from %s (format %s, %.1fs)",
+                len(conversations), src.describe(), resolved, time.monotonic() - started)
+
+    held = [conversation_hash(messages, seed) < heldout_fraction for messages in conversations]
+    results = _tokenize_needed(tokenizer, conversations, held, max_seq_len=max_seq_len, max_samples=max_samples,
+                               chat_template_kwargs=kwargs, num_proc=num_proc)
     train: list[Sample] = []
     heldout: list[Sample] = []
     dropped = truncated = 0
-    total = len(conversations)
-    log_every = max(1, total // 10)
-    started = time.monotonic()
-    for n, messages in enumerate(conversations, start=1):
-        if n % log_every == 0 or n == total:
-            logger.info("[data] tokenizing %d/%d conversations (%.0f%%, %.1fs)", n, total, 100.0 * n / total, time.monotonic() - started)
-        is_heldout = conversation_hash(messages, seed) < heldout_fraction
+    for i, is_heldout in enumerate(held):
         if not is_heldout and max_samples and len(train) >= max_samples:
             continue
-        ids, mask = tokenize_conversation(tokenizer, messages, max_seq_len + 1)
+        result = results[i]
+        if isinstance(result, str):
+            report.skip(where[i], "template error", result)
+            continue
+        ids, mask = result
         if len(ids) > max_seq_len:
             truncated += 1
             ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-        if not any(mask):
+        if not mask.any():
             dropped += 1
             continue
         target = heldout if is_heldout else train
-        target.append(Sample(
-            sample_id=len(target),
-            input_ids=torch.tensor(ids, dtype=torch.int32),
-            loss_mask=torch.tensor(mask, dtype=torch.uint8),
-        ))
+        target.append(Sample(sample_id=len(target), input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(mask)))
+    report.raise_if_all_bad(source)
+    if report.skipped:
+        logger.warning("[data] %s (first: %s)", report.summary(), report.first_reasons())
     if not train:
         raise DataError(f"data source {source!r} gave no training sample with assistant tokens "
-                        f"(conversations={total}, dropped={dropped}, held out={len(heldout)})")
+                        f"(conversations={len(conversations)}, dropped={dropped}, held out={len(heldout)})")
+    dataset = Dataset(train=train, heldout=heldout, source=source, num_conversations=len(conversations),
+                      num_dropped=dropped, num_truncated=truncated, stats=_stats(train),
+                      num_records=report.total, num_skipped=len(report.skipped))
+    if path is not None and key is not None:
+        if token_cache.write(path, _cache_header(dataset, key, resolved, report), _cache_arrays(dataset)):
+            dataset.cache_path = str(path)
+            logger.info("[data] tokenized cache written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
+    _log_dataset(dataset, max_seq_len)
+    return dataset
+
+
+def _tokenize_needed(tokenizer: Any, conversations: list[Messages], held: list[bool], *, max_seq_len: int,
+                     max_samples: int, chat_template_kwargs: dict[str, Any], num_proc: int) -> dict[int, Tokenized]:
+    """Tokenize every held-out conversation and the training ones the selection will reach.
+
+    Without ``max_samples`` that is all of them. With it, training
+    conversations go in source order, each round as many as samples are still
+    missing, so exactly those the selection loop looks at are tokenized
+    (some are dropped: no assistant token, or the template refuses them).
+    Each result is tokenized to ``max_seq_len + 1`` tokens, so the caller can
+    count truncations.
+    """
+    train_order = [i for i, h in enumerate(held) if not h]
+    pending = [i for i, h in enumerate(held) if h]
+    results: dict[int, Tokenized] = {}
+    started = time.monotonic()
+    kept = position = 0
+    total = len(conversations) if not max_samples else None
+    with TokenizerPool(tokenizer, max_seq_len + 1, chat_template_kwargs, resolve_num_proc(num_proc)) as pool, \
+            Progress("[data] tokenizing", total=total, unit="conversations", logger=logger) as progress:
+        while True:
+            wanted = max_samples - kept if max_samples else len(train_order)
+            batch = train_order[position: position + max(0, wanted)]
+            todo = sorted(pending + batch)
+            pending = []
+            if not todo:
+                break
+            for i, result in zip(todo, pool.run([conversations[i] for i in todo], progress.update)):
+                results[i] = result
+            kept += sum(1 for i in batch if not isinstance(results[i], str) and results[i][1][:max_seq_len].any())
+            position += len(batch)
+            if not max_samples or kept >= max_samples or position >= len(train_order):
+                break
+        logger.info("[data] tokenized %d conversations in %.1fs (%d process%s)", len(results),
+                    time.monotonic() - started, pool.processes_used, "es" if pool.processes_used > 1 else "")
+    return results
+
+
+def _stats(train: list[Sample]) -> dict[str, Any]:
     lengths = [len(s) for s in train]
-    stats = {
+    return {
         "train_tokens": sum(lengths),
         "train_loss_tokens": int(sum(int(s.loss_mask.sum()) for s in train)),
         "mean_length": sum(lengths) / len(lengths),
         "max_length": max(lengths),
     }
+
+
+def _log_dataset(dataset: Dataset, max_seq_len: int) -> None:
+    stats = dataset.stats
     logger.info("[data] %d train / %d held-out samples, %d dropped (no assistant token), %d truncated to %d tokens; "
                 "%d train tokens (%d in the loss), mean length %.1f",
-                len(train), len(heldout), dropped, truncated, max_seq_len,
+                len(dataset.train), len(dataset.heldout), dataset.num_dropped, dataset.num_truncated, max_seq_len,
                 stats["train_tokens"], stats["train_loss_tokens"], stats["mean_length"])
-    return Dataset(train=train, heldout=heldout, source=source, num_conversations=total,
-                   num_dropped=dropped, num_truncated=truncated, stats=stats)
+
+
+# --------------------------------------------------------------------------
+# Tokenized cache
+
+
+def _cache_arrays(dataset: Dataset) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for split, samples in (("train", dataset.train), ("heldout", dataset.heldout)):
+        arrays[f"{split}_lengths"] = np.asarray([len(s) for s in samples], dtype=np.int64)
+        arrays[f"{split}_ids"] = (torch.cat([s.input_ids for s in samples]).numpy() if samples
+                                  else np.zeros(0, np.int32))
+        arrays[f"{split}_mask"] = (torch.cat([s.loss_mask for s in samples]).numpy() if samples
+                                   else np.zeros(0, np.uint8))
+    return arrays
+
+
+def _cache_header(dataset: Dataset, key: str, data_format: str, report: RecordReport) -> dict[str, Any]:
+    return {
+        "key": key, "version": token_cache.TOKENIZED_VERSION, "source": dataset.source, "format": data_format,
+        "num_conversations": dataset.num_conversations, "num_dropped": dataset.num_dropped,
+        "num_truncated": dataset.num_truncated, "num_records": dataset.num_records,
+        "num_skipped": dataset.num_skipped, "skipped_summary": report.summary(),
+        "skipped_first": report.first_reasons(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _read_cache(path: Any, key: str, source: str) -> Dataset | None:
+    cached = token_cache.read(path, key)
+    if cached is None:
+        return None
+    header, arrays = cached
+    try:
+        dataset = _from_cache(source, header, arrays)
+    except token_cache.CacheCorrupt as exc:
+        logger.warning("[data] tokenized cache %s does not hold a data set (%s); tokenizing again", path, exc)
+        return None
+    dataset.cache_path = str(path)
+    if header.get("skipped_summary"):
+        logger.warning("[data] when this cache entry was built, %s (first: %s)",
+                       header["skipped_summary"], header.get("skipped_first", ""))
+    return dataset
+
+
+def _from_cache(source: str, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> Dataset:
+    """The data set a cache file holds; :class:`token_cache.CacheCorrupt` when it does not add up."""
+    splits: dict[str, list[Sample]] = {}
+    try:
+        for split in ("train", "heldout"):
+            lengths = arrays[f"{split}_lengths"]
+            ids, mask = arrays[f"{split}_ids"], arrays[f"{split}_mask"]
+            if (int(lengths.sum()) != len(ids) or len(ids) != len(mask) or (lengths <= 0).any()
+                    or ids.dtype != np.int32 or mask.dtype != np.uint8):
+                raise token_cache.CacheCorrupt(f"inconsistent {split} arrays")
+            cuts = np.cumsum(lengths)[:-1]
+            splits[split] = [Sample(sample_id=k, input_ids=torch.from_numpy(a), loss_mask=torch.from_numpy(m))
+                             for k, (a, m) in enumerate(zip(np.split(ids, cuts), np.split(mask, cuts)))
+                             ] if len(lengths) else []
+        counts = {name: int(header[name]) for name in
+                  ("num_conversations", "num_dropped", "num_truncated", "num_records", "num_skipped")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise token_cache.CacheCorrupt(f"missing or bad entry {exc}") from None
+    if not splits["train"]:
+        raise token_cache.CacheCorrupt("no training sample")
+    return Dataset(train=splits["train"], heldout=splits["heldout"], source=source, stats=_stats(splits["train"]),
+                   cache_hit=True, **counts)

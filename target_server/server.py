@@ -31,7 +31,8 @@ from common import protocol as P
 from common.auth import load_or_create_control_key
 from common.config import Config
 from common.devices import use_device
-from common.dflash_model import build_target_layer_ids
+from common.layer_ids import build_target_layer_ids
+from common.metric_names import TARGET_SOURCE, Target
 from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
@@ -119,7 +120,7 @@ class TargetServer:
             self._store = host_store(cfg.control.store_host, cfg.control.store_port, cfg.transport.timeout_s)
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
-        self._metrics = MetricsPusher(cfg.metrics.address, "target", sockets=self._sockets)
+        self._metrics = MetricsPusher(cfg.metrics.address, TARGET_SOURCE, sockets=self._sockets)
         self._control_key = load_or_create_control_key(cfg.run.path)
 
         loaded = load_target(
@@ -354,18 +355,17 @@ class TargetServer:
             target_layer_ids=list(self.layer_ids),
             vocab_size=self.loaded.vocab_size,
             mask_token_id=self.mask_token_id,
-            block_size=self.cfg.drafter.block_size,
             dtype=self.cfg.target.dtype,
             embed_tied=self.weights_layout.tied,
-            target_arch={
-                "num_attention_heads": int(cfg_model.num_attention_heads),
-                "num_key_value_heads": int(getattr(cfg_model, "num_key_value_heads", cfg_model.num_attention_heads)),
-                "head_dim": int(head_dim),
-                "intermediate_size": int(cfg_model.intermediate_size),
-                "rms_norm_eps": float(getattr(cfg_model, "rms_norm_eps", 1e-6)),
-                "rope_theta": float(rope_theta),
-                "max_position_embeddings": int(getattr(cfg_model, "max_position_embeddings", 4096)),
-            },
+            target_arch=P.TargetArch(
+                num_attention_heads=int(cfg_model.num_attention_heads),
+                num_key_value_heads=int(getattr(cfg_model, "num_key_value_heads", cfg_model.num_attention_heads)),
+                head_dim=int(head_dim),
+                intermediate_size=int(cfg_model.intermediate_size),
+                rms_norm_eps=float(getattr(cfg_model, "rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                max_position_embeddings=int(getattr(cfg_model, "max_position_embeddings", 4096)),
+            ),
             buckets=[list(s) for s in self.spec.shapes()],
             store_host=self.cfg.control.store_host,
             store_port=self.cfg.control.store_port,
@@ -414,21 +414,21 @@ class TargetServer:
         self._tokens_per_s = tokens / elapsed
         depth, per_bucket = self.scheduler.depths()
         values = {
-            "tokens_per_s": self._tokens_per_s,
-            "batches_per_s": batches / elapsed,
-            "forward_ms": 1000.0 * forward_s / forwards if forwards else 0.0,
-            "cache_hit_frac": cached / batches if batches else 0.0,
-            "feature_cache_gb": self.feature_cache.nbytes / 1e9,
-            "padding_frac": 1.0 - tokens / padded if padded else 0.0,
-            "send_gbps": sent / send_s / 1e9 if send_s > 0 else 0.0,
-            "bytes_sent": totals[4],
-            "tokens_total": totals[2],
-            "backpressure_frac": blocked_s / elapsed,
-            "queue_depth": depth,
-            "drafters_connected": len(self.coord.regs),
+            Target.TOKENS_PER_S: self._tokens_per_s,
+            Target.BATCHES_PER_S: batches / elapsed,
+            Target.FORWARD_MS: 1000.0 * forward_s / forwards if forwards else 0.0,
+            Target.CACHE_HIT_FRAC: cached / batches if batches else 0.0,
+            Target.FEATURE_CACHE_GB: self.feature_cache.nbytes / 1e9,
+            Target.PADDING_FRAC: 1.0 - tokens / padded if padded else 0.0,
+            Target.SEND_GBPS: sent / send_s / 1e9 if send_s > 0 else 0.0,
+            Target.BYTES_SENT: totals[4],
+            Target.TOKENS_TOTAL: totals[2],
+            Target.BACKPRESSURE_FRAC: blocked_s / elapsed,
+            Target.QUEUE_DEPTH: depth,
+            Target.DRAFTERS_CONNECTED: len(self.coord.regs),
         }
         for i, d in enumerate(per_bucket):
-            values[f"bucket_depth/{i}"] = d
+            values[Target.BUCKET_DEPTH(i)] = d
         self._metrics.send(values, step=totals[0])
 
     def _status(self) -> P.Status:

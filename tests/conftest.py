@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,10 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# The targets the tests start cache their tokenized data: in a directory of this session, not ~/.cache.
+if "DFLASH_DATA_CACHE_DIR" not in os.environ:
+    os.environ["DFLASH_DATA_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_DATA_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
-    from tests.tiny_target import make_tiny_target
+    from tests.fixtures import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny-llama") / "model")

@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from common import cli
+from common.metric_names import DRAFTER_SOURCE, Drafter, Eval
+
 logger = logging.getLogger("tools.eval")
 
 
@@ -91,7 +94,7 @@ def find_checkpoint(run_dir: Path, drafter_id: str, step: int | None = None) -> 
 
 def training_eal(run_dir: Path, drafter_id: str, step: int) -> float | None:
     """The drafter's last training ``eal`` at or before ``step`` in ``metrics.jsonl``."""
-    source = f"drafter/{drafter_id}"
+    source = DRAFTER_SOURCE(drafter_id)
     found: float | None = None
     try:
         handle = open(run_dir / "metrics.jsonl", encoding="utf-8")
@@ -99,16 +102,17 @@ def training_eal(run_dir: Path, drafter_id: str, step: int) -> float | None:
         return None
     with handle:
         for line in handle:
-            if source not in line or '"eal"' not in line:
-                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line being written
-            if record.get("source") != source or record.get("step", math.inf) > step:
+            if not isinstance(record, dict) or record.get("source") != source:
                 continue
-            value = record.get("values", {}).get("eal")
-            if isinstance(value, (int, float)):
+            record_step, values = record.get("step"), record.get("values")
+            if not isinstance(record_step, int) or record_step > step or not isinstance(values, dict):
+                continue
+            value = values.get(Drafter.EAL)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 found = float(value)
     return found
 
@@ -129,7 +133,9 @@ def heldout_prompts(tokenizer: Any, cfg: Any, limit: int) -> list[list[int]]:
     # training side then needs no tokenizing.
     try:
         dataset = build_dataset(tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
-                                heldout_fraction=cfg.data.heldout_fraction, max_samples=1)
+                                heldout_fraction=cfg.data.heldout_fraction, max_samples=1,
+                                data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
+                                num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
     except DataError as exc:
         raise EvalError(str(exc)) from None
     prompts = []
@@ -199,6 +205,7 @@ def evaluate(
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers."""
     import torch
 
+    from common.progress import Progress
     from target_server.model_loader import embedding_weights
     from tools.speculative import DFlashProposer, SpecStats, plain_generate, speculative_generate
 
@@ -226,26 +233,29 @@ def evaluate(
     per_prompt = []
     spec_tokens = spec_s = plain_tokens = plain_s = 0.0
     mismatches = 0
-    for i, prompt in enumerate(prompts):
-        spec = speculative_generate(target, proposer, prompt, max_new_tokens=max_new_tokens,
-                                    stop_token_ids=stop_tokens, temperature=temperature, generator=gen())
-        stats.add(spec)
-        spec_tokens += len(spec.tokens)
-        spec_s += spec.total_s
-        row = {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-               "steps": len(spec.step_tokens), "spec_s": spec.total_s}
-        if baseline:
-            plain = plain_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_tokens,
-                                   temperature=temperature, generator=gen())
-            plain_tokens += len(plain.tokens)
-            plain_s += plain.total_s
-            row["plain_s"] = plain.total_s
-            if temperature == 0 and plain.tokens != spec.tokens:
-                mismatches += 1
-                logger.warning("[eval] prompt %d: speculative output differs from greedy decoding "
-                               "(first difference at token %d)", i, _first_difference(spec.tokens, plain.tokens))
-        per_prompt.append(row)
-        logger.info("[eval] prompt %d/%d: %d new tokens, tau %.2f", i + 1, len(prompts), len(spec.tokens), spec.tau)
+    # A bar on a terminal; under --watch, systemd or a test a log line every 30 s.
+    with Progress("[eval] prompts", total=len(prompts), unit="prompt", logger=logger) as progress:
+        for i, prompt in enumerate(prompts):
+            spec = speculative_generate(target, proposer, prompt, max_new_tokens=max_new_tokens,
+                                        stop_token_ids=stop_tokens, temperature=temperature, generator=gen())
+            stats.add(spec)
+            spec_tokens += len(spec.tokens)
+            spec_s += spec.total_s
+            row = {"prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
+                   "steps": len(spec.step_tokens), "spec_s": spec.total_s}
+            if baseline:
+                plain = plain_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_tokens,
+                                       temperature=temperature, generator=gen())
+                plain_tokens += len(plain.tokens)
+                plain_s += plain.total_s
+                row["plain_s"] = plain.total_s
+                if temperature == 0 and plain.tokens != spec.tokens:
+                    mismatches += 1
+                    logger.warning("[eval] prompt %d: speculative output differs from greedy decoding "
+                                   "(first difference at token %d)", i, _first_difference(spec.tokens, plain.tokens))
+            per_prompt.append(row)
+            logger.debug("[eval] prompt %d/%d: %d new tokens, tau %.2f", i + 1, len(prompts), len(spec.tokens), spec.tau)
+            progress.update()
 
     report: dict[str, Any] = {
         "num_prompts": len(prompts),
@@ -279,15 +289,15 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 def metric_values(report: dict[str, Any]) -> dict[str, float]:
     """What ``--watch`` pushes to the sidecar (names under ``drafter/<id>/``)."""
     values = {
-        "eval/tau": report["tau"],
-        "eval/tau_min": min(report["tau_per_prompt"]),
-        "eval/tokens_per_s": report["spec_tokens_per_s"],
+        Eval.TAU: report["tau"],
+        Eval.TAU_MIN: min(report["tau_per_prompt"]),
+        Eval.TOKENS_PER_S: report["spec_tokens_per_s"],
     }
     for k, rate in enumerate(report["acceptance_rate"], start=1):
         if not math.isnan(rate):
-            values[f"eval/accept/pos_{k}"] = rate
+            values[Eval.ACCEPT_POS(k)] = rate
     if "speedup" in report:
-        values["eval/speedup"] = report["speedup"]
+        values[Eval.SPEEDUP] = report["speedup"]
     return {k: float(v) for k, v in values.items() if not math.isnan(float(v))}
 
 
@@ -318,7 +328,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__,
+    p = argparse.ArgumentParser(prog="dflash-eval", description=cli.help_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="run directory, e.g. runs/demo")
     p.add_argument("--drafter", default="d0", help="drafter id (default d0)")
@@ -334,8 +344,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="with --watch: also time plain decoding")
     p.add_argument("--threads", type=int, help="torch CPU threads (default target.threads, else torch's)")
     p.add_argument("--json", type=Path, help="also write the report here")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key of the run's config, e.g. --set target.device=cuda:0")
+    # The config is the run's own (RUN_DIR/config.toml); --set overrides its keys.
+    cli.add_config_args(p, config=False, env=False, set_example="target.device=cuda:0")
     p.add_argument("--watch", action="store_true", help="evaluate each new checkpoint until stopped")
     p.add_argument("--every-s", type=float, default=60.0, help="with --watch: seconds between checks")
     p.add_argument("--max-evals", type=int, default=0, help="with --watch: stop after N evaluations (0 = never)")
@@ -393,7 +403,7 @@ def _setup(args: argparse.Namespace):
 
 
 def _load_drafter(path: Path, target: Any) -> Any:
-    from common.dflash_model import load_drafter
+    from drafter_worker.model.dflash_model import load_drafter
 
     weight = target.get_input_embeddings().weight
     try:
@@ -489,7 +499,7 @@ def _watch_loop(args: argparse.Namespace, stop: threading.Event) -> int:
             return 0
     cfg, loaded, prompts, prompt_source, stops = _setup(args)
     address = args.metrics_address or cfg.metrics.address
-    pusher = MetricsPusher(address, f"drafter/{args.drafter}")
+    pusher = MetricsPusher(address, DRAFTER_SOURCE(args.drafter))
     logger.info("[eval] watching %s for new checkpoints of %s every %gs; metrics to %s",
                 args.run_dir, args.drafter, args.every_s, address)
     done = 0
@@ -523,8 +533,21 @@ def _watch_loop(args: argparse.Namespace, stop: threading.Event) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    path = args.run_dir / "config.toml"
+    if not path.is_file():
+        print(f"dflash-eval: {args.run_dir} is not a run directory (no config.toml); pass runs/<name>", file=sys.stderr)
+        return 2
+    cfg = cli.load_job_config("dflash-eval", path, args.overrides)
+    if cfg is None:
+        return 2
+    return cli.print_config(cfg, "dflash-eval", path, args.overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.print_config:
+        return _print_config(args)
     from common.logging_setup import setup_logging
 
     # The watcher is a long-running process of the run: it logs there too.

@@ -2,6 +2,7 @@
 
     dflash-regen --prompts prompts.jsonl --out data/regen.jsonl --config configs/demo.toml
     dflash-regen --prompts prompts.jsonl --out data/regen.jsonl --model Qwen/Qwen3-8B --batch-size 32
+    dflash-regen --prompts prompts.jsonl --out data/regen.jsonl --base-url http://gpu-host:8000/v1 --concurrency 64
 
 A drafter learns to predict what the *target* would say. Answers written by
 someone else (a human, a stronger model) teach it a distribution the target
@@ -20,7 +21,17 @@ and resumable: lines already in ``--out`` are kept and their prompts skipped,
 a line cut short by a kill is dropped, and every batch is flushed to disk
 before the next starts. Rerun the same command after an interruption.
 
-Exit status: 0 done, 2 bad arguments, config, model or files, 130 interrupted.
+With ``--base-url`` the target is not loaded here: an OpenAI-compatible server
+(vLLM, SGLang, ``transformers serve``, ...) answers, ``--concurrency``
+requests at a time, with retries, and the records are the same
+(``tools/regen_client.py`` says how it works). ``--model`` is then the served
+model's name (default: the only one the server lists); ``--config``, ``--set``,
+``--batch-size`` and ``--threads`` are for the in-process mode only.
+
+Exit status: 0 done (with ``--base-url``: prompts that failed are listed and
+skipped, a rerun tries them again), 1 the server did not answer, stopped
+answering, or answered none of the prompts (what was answered is kept; rerun
+to resume), 2 bad arguments, config, model or files, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,68 +42,12 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tools.regen_prompts import Messages, Prompt, RegenError, read_prompts  # noqa: F401 (re-exported)
+
 logger = logging.getLogger("tools.regen")
-
-Messages = list[dict[str, str]]
-
-
-class RegenError(RuntimeError):
-    """A prompts or output file cannot be used; the message says why."""
-
-
-@dataclass
-class Prompt:
-    line: int  # 1-based line number in the prompts file
-    messages: Messages
-
-
-# ---------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------
-
-
-def read_prompts(path: Path) -> list[Prompt]:
-    """Prompts of ``path`` (``{"messages": [...]}`` or ``{"prompt": "..."}`` per line)."""
-    from target_server.data import ROLES
-
-    try:
-        handle = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise RegenError(f"cannot read prompts file {path}: {exc.strerror}") from None
-    prompts: list[Prompt] = []
-    with handle:
-        for lineno, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise RegenError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                messages = [{"role": "user", "content": record["prompt"]}]
-            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-                messages = record["messages"]
-                for j, m in enumerate(messages):
-                    if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-                        raise RegenError(f"{where}: messages[{j}] must be {{\"role\": one of {', '.join(ROLES)}, "
-                                         f"\"content\": string}}")
-                messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-                users = [j for j, m in enumerate(messages) if m["role"] == "user"]
-                if not users:
-                    raise RegenError(f"{where}: the conversation has no user turn to answer")
-                messages = messages[: users[-1] + 1]
-            else:
-                raise RegenError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}")
-            prompts.append(Prompt(line=lineno, messages=messages))
-    if not prompts:
-        raise RegenError(f"{path}: no prompts (the file is empty)")
-    return prompts
-
 
 def resume_state(out: Path, prompts: Sequence[Prompt]) -> set[int]:
     """Prompt lines already answered in ``out``.
@@ -235,14 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="job config whose [target] section names the model (default: built-in)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set target.device=cuda:0")
-    p.add_argument("--model", help="shortcut for --set target.model=MODEL")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+    p.add_argument("--model", help="shortcut for --set target.model=MODEL; with --base-url, the served model's name")
+    p.add_argument("--batch-size", type=int, help="prompts per generate call (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--threads", type=int, help="torch CPU threads (default target.threads, else torch's)")
     p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts of the file (default all)")
+    server = p.add_argument_group("answers from an OpenAI-compatible server")
+    server.add_argument("--base-url", help="the server's OpenAI API root, e.g. http://host:8000/v1")
+    server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token for the server (default: $OPENAI_API_KEY)")
+    server.add_argument("--concurrency", type=int, help="requests in flight (default 8)")
+    server.add_argument("--max-attempts", type=int, help="tries per prompt before it is skipped (default 6)")
+    server.add_argument("--request-timeout-s", type=float, help="limit on one request (default 600)")
     args = p.parse_args(argv)
+    if args.base_url:
+        return _main_server(p, args)
+    if args.concurrency is not None or args.max_attempts is not None or args.request_timeout_s is not None:
+        p.error("--concurrency, --max-attempts and --request-timeout-s need --base-url")
+    if args.batch_size is None:
+        args.batch_size = 8
     if args.batch_size < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
         p.error("--batch-size and --max-new-tokens must be >= 1, --temperature and --limit >= 0")
 
@@ -285,6 +253,51 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(f"dflash-regen: {counts['written']} answers written, {counts['skipped']} already there: {args.out}")
     return 0
+
+
+def _main_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``main`` with ``--base-url``: the answers come from an OpenAI-compatible server."""
+    if args.config or args.overrides or args.threads is not None or args.batch_size is not None:
+        p.error("--config, --set, --threads and --batch-size are for the in-process mode; drop them with --base-url")
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.limit < 0:
+        p.error("--max-new-tokens must be >= 1, --temperature and --limit >= 0")
+
+    from common.logging_setup import setup_logging
+    from tools.regen_client import RetryPolicy, ServerSettings, ServerUnavailable, regenerate_from_server
+
+    given = {"concurrency": args.concurrency, "request_timeout_s": args.request_timeout_s}
+    try:
+        settings = ServerSettings(
+            base_url=args.base_url, model=args.model, api_key=args.api_key or None,
+            **{k: v for k, v in given.items() if v is not None},
+            **({"retry": RetryPolicy(max_attempts=args.max_attempts)} if args.max_attempts is not None else {}),
+        )
+    except ValueError as exc:
+        p.error(f"--{str(exc).replace('_', '-')}")
+    setup_logging("regen")
+    try:
+        prompts = read_prompts(args.prompts)
+        if args.limit:
+            prompts = prompts[: args.limit]
+        counts = regenerate_from_server(prompts, args.out, settings, max_new_tokens=args.max_new_tokens,
+                                        temperature=args.temperature, seed=args.seed)
+    except ServerUnavailable as exc:
+        print(f"dflash-regen: {exc}; rerun the same command to resume", file=sys.stderr)
+        return 1
+    except RegenError as exc:
+        print(f"dflash-regen: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash-regen: interrupted; answers received are in {args.out}, rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    failed = counts["failed"]
+    if failed:
+        shown = ", ".join(f"line {line} ({why})" for line, why in failed[:5])
+        print(f"dflash-regen: {len(failed)} prompts not answered: {shown}{', ...' if len(failed) > 5 else ''}; "
+              "a rerun tries them again", file=sys.stderr)
+    print(f"dflash-regen: {counts['written']} answers written, {counts['skipped']} already there: {args.out}")
+    return 1 if failed and not counts["written"] else 0
 
 
 def _stop_ids(loaded: Any) -> list[int]:

@@ -27,8 +27,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import cli
+from common.metric_names import DRAFTER_SOURCE, TARGET_SOURCE, Drafter, Eval, Target
+
 METRICS_FILE = "metrics.jsonl"
-_ACC = re.compile(r"acc/pos_(\d+)$")
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +129,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = min(rec["time"] for s in sources.values() for rec in s.records)
-    drafters = {name.split("/", 1)[1]: s for name, s in sorted(sources.items()) if name.startswith("drafter/")}
+    prefix = DRAFTER_SOURCE.prefix
+    drafters = {name[len(prefix):]: s for name, s in sorted(sources.items()) if name.startswith(prefix)}
     written: list[Path] = []
 
     def save(fig, name: str) -> None:
@@ -140,8 +143,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     for drafter_id, series in drafters.items():
         fig, axes = plt.subplots(2, 2, figsize=(11, 7))
         fig.suptitle(f"drafter {drafter_id} ({run_dir.name})")
-        for ax, key, label in ((axes[0, 0], "loss", "loss"), (axes[0, 1], "eal", "expected acceptance length"),
-                               (axes[1, 1], "lr", "learning rate")):
+        for ax, key, label in ((axes[0, 0], Drafter.LOSS, "loss (nats)"),
+                               (axes[0, 1], Drafter.EAL, "expected acceptance length"),
+                               (axes[1, 1], Drafter.LR, "learning rate")):
             steps, values = series.by_step(key)
             _line(ax, steps, values, label, "step")
         _position_accuracy(axes[1, 0], series)
@@ -150,7 +154,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
     if drafters:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         fig.suptitle(f"drafters compared ({run_dir.name})")
-        for ax, key, label in ((axes[0], "loss", "loss"), (axes[1], "eal", "expected acceptance length")):
+        for ax, key, label in ((axes[0], Drafter.LOSS, "loss (nats)"),
+                               (axes[1], Drafter.EAL, "expected acceptance length")):
             for drafter_id, series in drafters.items():
                 steps, values = series.by_step(key)
                 if steps:
@@ -158,14 +163,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
             _axes(ax, label, "step", legend=True)
         save(fig, "drafters.png")
 
-    evaluated = {d: s for d, s in drafters.items() if s.by_time("eval/tau", t0)[0]}
+    evaluated = {d: s for d, s in drafters.items() if s.by_time(Eval.TAU, t0)[0]}
     if evaluated:
         # tau is the product; plotted against wall-clock minutes, the budget a user pays.
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         fig.suptitle(f"measured speculative decoding ({run_dir.name})")
         for drafter_id, series in evaluated.items():
-            for ax, key, label in ((axes[0], "eval/tau", drafter_id), (axes[1], "eval/accept/pos_1", f"{drafter_id} pos 1"),
-                                   (axes[1], "eval/accept/pos_2", f"{drafter_id} pos 2")):
+            for ax, key, label in ((axes[0], Eval.TAU, drafter_id), (axes[1], Eval.ACCEPT_POS(1), f"{drafter_id} pos 1"),
+                                   (axes[1], Eval.ACCEPT_POS(2), f"{drafter_id} pos 2")):
                 times, values = series.by_time(key, t0)
                 if times:
                     ax.plot([t / 60.0 for t in times], values, marker=".", label=label)
@@ -173,12 +178,13 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         _axes(axes[1], "acceptance rate by block position", "minutes since the first record", legend=True)
         save(fig, "eval.png")
 
-    if "target" in sources:
-        target = sources["target"]
+    if TARGET_SOURCE in sources:
+        target = sources[TARGET_SOURCE]
         fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
         fig.suptitle(f"target ({run_dir.name})")
-        _line(axes[0], *target.by_time("tokens_per_s", t0), "tokens/s", None)
-        _line(axes[1], *target.by_time("queue_depth", t0), "queue depth (ready batches)", "seconds since the first record")
+        _line(axes[0], *target.by_time(Target.TOKENS_PER_S, t0), "tokens/s", None)
+        _line(axes[1], *target.by_time(Target.QUEUE_DEPTH, t0), "queue depth (ready batches)",
+              "seconds since the first record")
         save(fig, "target.png")
 
     if drafters:
@@ -213,11 +219,13 @@ def _axes(ax, label: str, xlabel: str | None, legend: bool = False) -> None:
 
 
 def _position_accuracy(ax, series: Series) -> None:
-    last = next((r for r in reversed(series.records) if any(_ACC.match(k) for k in r["values"])), None)
+    last = next((r for r in reversed(series.records)
+                 if any(Drafter.ACC_POS.parse(k) is not None for k in r["values"])), None)
     if last is None:
         _line(ax, [], [], "accuracy per block position", "block position")
         return
-    acc = sorted((int(m.group(1)), float(v)) for k, v in last["values"].items() if (m := _ACC.match(k)) and _finite(v))
+    acc = sorted((int(pos), float(v)) for k, v in last["values"].items()
+                 if (pos := Drafter.ACC_POS.parse(k)) is not None and _finite(v))
     ax.bar([p for p, _ in acc], [a for _, a in acc], color="tab:green")
     ax.set_ylim(0, max(1e-3, max((a for _, a in acc), default=0.0)) * 1.15)
     _axes(ax, f"accuracy per block position at step {last['step']}", "block position")
@@ -228,7 +236,8 @@ def _safe(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dflash-report", description=cli.help_text(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="the run directory, e.g. runs/demo")
     p.add_argument("--out", type=Path, help="where to write the PNGs (default: RUN_DIR/plots)")
     args = p.parse_args(argv)

@@ -36,7 +36,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from common.dflash_model import DFlashDrafter, DraftContextCache
+from drafter_worker.model.dflash_model import DFlashDrafter, DraftContextCache
 
 __all__ = [
     "DFlashProposer",

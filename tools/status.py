@@ -31,12 +31,16 @@ import zmq
 
 from common import protocol as P
 from common.auth import read_key, status_credential
-from common.config import ConfigError, drafter_ids_in, load_config
+from common import cli
+from common.config import ConfigError, drafter_ids_in
+from common.metric_names import DRAFTER_SOURCE, Drafter
 from common.sockets import SecurityError, SocketFactory
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 # How much of metrics.jsonl (from its end) is searched for the last losses.
 LOSS_TAIL_BYTES = 8 << 20
+# A line without this cannot hold a loss: skipped without parsing it (the tail can be 8 MiB).
+_LOSS_KEY = json.dumps(Drafter.LOSS).encode()
 
 
 class NoAnswer(RuntimeError):
@@ -80,7 +84,7 @@ def last_losses(metrics_path: Path, drafter_ids: list[str], max_bytes: int = LOS
     Reads the file backwards in chunks and stops once every id is found (or after
     ``max_bytes``), so a long run's log costs the same as a short one's.
     """
-    wanted = {f"drafter/{d}": d for d in drafter_ids}
+    wanted = {DRAFTER_SOURCE(d): d for d in drafter_ids}
     found: dict[str, tuple[float, int]] = {}
     try:
         f = open(metrics_path, "rb")
@@ -103,12 +107,12 @@ def last_losses(metrics_path: Path, drafter_ids: list[str], max_bytes: int = LOS
 
 
 def _take_loss(line: bytes, wanted: dict[str, str], found: dict[str, tuple[float, int]]) -> None:
-    if b'"loss"' not in line:
+    if _LOSS_KEY not in line:
         return
     try:
         rec = json.loads(line)
         drafter_id = wanted.get(rec["source"])
-        loss = rec["values"]["loss"]
+        loss = rec["values"][Drafter.LOSS]
         step = int(rec["step"])
     except (ValueError, KeyError, TypeError):
         return  # a line still being written, or not a drafter record
@@ -152,20 +156,12 @@ def format_status(
     columns = ["drafter", "group", "state", "step", "ckpt", "heartbeat", "in flight", "last loss", "pid"]
     rows = []
     seen = set()
-    for d in sorted(status.drafters, key=lambda d: str(d.get("id"))):
-        drafter_id = str(d.get("id", "?"))
-        seen.add(drafter_id)
-        loss = losses.get(drafter_id)
+    for d in sorted(status.drafters, key=lambda d: d.id):
+        seen.add(d.id)
+        loss = losses.get(d.id)
         rows.append([
-            drafter_id,
-            str(d.get("group", "-")),
-            str(d.get("state", "registered")),
-            str(d.get("step", "-")),
-            str(d.get("checkpoint_step", "-")),
-            f"{float(d['heartbeat_age_s']):.1f}s ago" if "heartbeat_age_s" in d else "-",
-            str(d.get("inflight", "-")),
-            f"{loss[0]:.4f} @{loss[1]}" if loss else "-",
-            str(d.get("pid", "-")),
+            d.id, d.group, d.state, str(d.step), str(d.checkpoint_step), f"{d.heartbeat_age_s:.1f}s ago",
+            str(d.inflight), f"{loss[0]:.4f} @{loss[1]}" if loss else "-", str(d.pid),
         ])
     for drafter_id in expected_ids or []:
         if drafter_id not in seen:
@@ -186,11 +182,10 @@ def format_status(
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dflash-status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.environ.get("DFLASH_CONFIG") or None,
-                   help="TOML job config (default: $DFLASH_CONFIG); gives the address, run directory and drafter ids")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set run.name=exp2")
+    p = argparse.ArgumentParser(prog="dflash-status", description=cli.help_text(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_config_args(p, config_help="TOML job config; gives the address, run directory and drafter ids",
+                        set_example="run.name=exp2")
     p.add_argument("--address", help=f"control address of the target (default: control.address, else {DEFAULT_ADDRESS})")
     p.add_argument("--run-dir", type=Path, help="run directory whose metrics.jsonl gives the last losses and whose "
                    "auth/status.key proves the right to ask (default: from the config)")
@@ -206,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     address, run_dir, run_name, bucket_lengths, expected_ids = args.address, args.run_dir, None, None, []
     curve_dir, curve_client = "", "client"
-    if args.config or args.overrides:
-        overrides = list(args.overrides)
-        if os.environ.get("DFLASH_RUN_NAME"):
-            overrides.insert(0, f'run.name="{os.environ["DFLASH_RUN_NAME"]}"')
+    if args.config or args.overrides or args.print_config:
+        overrides = cli.config_overrides(args)
+        cfg = cli.load_job_config("dflash-status", args.config, overrides)
+        if cfg is None:
+            return 2
+        if args.print_config:
+            return cli.print_config(cfg, "dflash-status", args.config, overrides)
         try:
-            cfg = load_config(args.config, overrides)
             expected_ids = drafter_ids_in(args.config) if args.config else []
         except (ConfigError, OSError, ValueError) as exc:
             print(f"dflash-status: config error: {exc}", file=sys.stderr)
@@ -272,11 +269,11 @@ def _one_frame(args, sockets, credential, address, run_dir, run_name, bucket_len
         status = query(address, args.timeout_s, sockets, credential)
     except NoAnswer as exc:
         return f"dflash-status: {exc}", 1
-    ids = sorted({str(d.get("id")) for d in status.drafters} | set(expected_ids))
+    ids = sorted({d.id for d in status.drafters} | set(expected_ids))
     losses = last_losses(run_dir / "metrics.jsonl", ids) if run_dir is not None else {}
     if args.json:
         body = asdict(status)
-        body["last_loss"] = {k: {"loss": v[0], "step": v[1]} for k, v in losses.items()}
+        body["last_loss"] = {k: {Drafter.LOSS: v[0], "step": v[1]} for k, v in losses.items()}
         return json.dumps(body, indent=1, sort_keys=True), 0
     return format_status(status, address=address, run_name=run_name, bucket_lengths=bucket_lengths,
                          losses=losses, expected_ids=expected_ids), 0

@@ -153,9 +153,8 @@ def test_use_device_is_what_the_entry_points_call(set_device_calls):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_fused_loss_and_metrics_on_a_gpu_that_is_not_current():
-    from common.device_metrics import DeviceAccumulators
-    from common.dflash_model import lm_head_loss
-    from common.fused_lm_loss import triton_lm_head_loss
+    from drafter_worker.model.device_metrics import DeviceAccumulators
+    from drafter_worker.model.lm_loss import lm_head_loss, triton_lm_head_loss
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.harness import write_config
+from tests.fixtures import write_config
 from tests.tools.test_report import assert_real_png
 
 pytestmark = [

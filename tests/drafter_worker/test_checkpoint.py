@@ -9,24 +9,10 @@ import pytest
 import torch
 
 from common.config import DrafterConfig
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from drafter_worker.model.dflash_model import DFlashDrafter
 from drafter_worker.checkpoint import CheckpointStore, Coverage, Ledger, TrainerState, read_lineage, verify_lineage
 from drafter_worker.trainer import make_optimizer
-
-HIDDEN = 32
-VOCAB = 64
-K = 2
-
-
-def tiny_drafter(seed: int = 0) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    config = make_drafter_config(
-        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128,
-        num_hidden_layers=1, num_target_layers=6, target_layer_ids=build_target_layer_ids(6, K),
-        block_size=4, mask_token_id=VOCAB - 1,
-    )
-    return DFlashDrafter(config)
+from tests.fixtures import TINY_HIDDEN as HIDDEN, tiny_drafter
 
 
 def one_step(model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> None:

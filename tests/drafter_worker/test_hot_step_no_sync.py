@@ -8,25 +8,19 @@ import pytest
 import torch
 
 from common.config import DrafterConfig, MetricsConfig
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
 from common.packing import BatchLayout
 from common.sync_guard import HostSyncError, sync_guard
 from drafter_worker.trainer import DrafterTrainer, make_optimizer, summarize
+from tests.fixtures import (
+    TINY_BLOCK as BLOCK, TINY_CAPTURED as K, TINY_HIDDEN as HIDDEN, TINY_VOCAB as VOCAB, tiny_drafter,
+)
 
-HIDDEN, VOCAB, K, BLOCK = 32, 64, 2, 4
 B, T = 2, 20
 STEPS = 12
 
 
 def make_trainer() -> DrafterTrainer:
-    torch.manual_seed(0)
-    config = make_drafter_config(
-        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128,
-        num_hidden_layers=1, num_target_layers=6, target_layer_ids=build_target_layer_ids(6, K),
-        block_size=BLOCK, mask_token_id=VOCAB - 1,
-    )
-    model = DFlashDrafter(config)
+    model = tiny_drafter(0)
     cfg = DrafterConfig(block_size=BLOCK, anchors_per_sequence=3, warmup_steps=3, max_steps=STEPS, grad_clip=0.5)
     return DrafterTrainer(cfg, model, make_optimizer(cfg, model), torch.Generator().manual_seed(0), step=0)
 

@@ -25,7 +25,7 @@ def test_recipe_configs_validate(name):
 
 def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():
     from target_server.data import build_dataset, load_conversations
-    from tests.tiny_target import _smollm2_tokenizer
+    from tests.fixtures import smollm2_tokenizer
 
     cfg = load_config(REPO / "configs" / "quality.toml")
     path = REPO / cfg.data.source
@@ -36,7 +36,7 @@ def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():
     # Every answer belongs to the prompt on its line of the shipped prompt set.
     for record in records[:50]:
         assert record["messages"][0]["content"] == json.loads(prompts[record["prompt_line"] - 1])["prompt"]
-    dataset = build_dataset(_smollm2_tokenizer(), str(path), max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+    dataset = build_dataset(smollm2_tokenizer(), str(path), max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
                             heldout_fraction=cfg.data.heldout_fraction, max_samples=20)
     assert len(dataset.train) == 20 and len(dataset.heldout) >= 16
 

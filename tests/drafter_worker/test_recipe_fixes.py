@@ -9,28 +9,15 @@ import pytest
 import torch
 
 from common.config import DrafterConfig
-from common.dflash_model import (
-    DFlashDrafter,
-    build_target_layer_ids,
-    dflash_block_loss,
-    init_logit_scale,
-    make_drafter_config,
-)
+from drafter_worker.model.dflash_model import DFlashDrafter, dflash_block_loss, init_logit_scale
 from common.sync_guard import sync_guard
 from drafter_worker.trainer import DrafterTrainer, learning_rate, make_optimizer, summarize
-
-HIDDEN, K, BLOCK = 32, 2, 4
+from tests.fixtures import TINY_BLOCK as BLOCK, TINY_CAPTURED as K, TINY_HIDDEN as HIDDEN, tiny_drafter
 
 
 def drafter(vocab: int, seed: int = 0, layers: int = 1, draft_vocab_size: int = 0) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    config = make_drafter_config(
-        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-        vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-        num_hidden_layers=layers, num_target_layers=6, target_layer_ids=build_target_layer_ids(6, K),
-        block_size=BLOCK, mask_token_id=vocab - 1, draft_vocab_size=draft_vocab_size,
-    )
-    return DFlashDrafter(config)
+    return tiny_drafter(seed, vocab_size=vocab, max_position_embeddings=256, num_hidden_layers=layers,
+                        draft_vocab_size=draft_vocab_size)
 
 
 def trainer_for(model: DFlashDrafter, **overrides) -> DrafterTrainer:

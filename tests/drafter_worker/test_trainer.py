@@ -10,26 +10,13 @@ import pytest
 import torch
 
 from common.config import DrafterConfig
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
 from drafter_worker.trainer import DrafterTrainer, learning_rate, make_optimizer, summarize
+from tests.fixtures import (
+    TINY_BLOCK as BLOCK, TINY_CAPTURED as K, TINY_HIDDEN as HIDDEN, TINY_VOCAB as VOCAB, tiny_drafter,
+)
 
-HIDDEN = 32
-VOCAB = 64
-K = 2
-BLOCK = 4
 B, T = 3, 24
 REPO = Path(__file__).resolve().parents[2]
-
-
-def tiny_drafter(seed: int = 0) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    config = make_drafter_config(
-        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
-        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128,
-        num_hidden_layers=1, num_target_layers=6, target_layer_ids=build_target_layer_ids(6, K),
-        block_size=BLOCK, mask_token_id=VOCAB - 1,
-    )
-    return DFlashDrafter(config)
 
 
 def random_batch(seed: int = 0):
@@ -205,7 +192,7 @@ def test_same_seed_same_training():
 
 
 def test_train_step_never_reads_the_device_on_the_host(monkeypatch):
-    # Guards the DESIGN rule (section 6): nothing in the step may call .item(),
+    # Guards the rule of docs/architecture.md ("The metrics path"): nothing in the step may call .item(),
     # .tolist(), .cpu(), bool(tensor)... from project code. Torch's own internals
     # (AdamW's CPU step counter) are allowed.
     trainer = make_trainer()

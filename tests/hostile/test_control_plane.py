@@ -22,8 +22,9 @@ from common import protocol as P
 from common.auth import auth_dir, hello_proof, read_key, status_credential
 from common.config import load_config
 from common.shm_transport import SHM_DIR, sweep_stale
+from deploy.launcher import Job
 from drafter_worker.checkpoint import verify_lineage
-from tests.integration.harness import Job, write_config
+from tests.fixtures import write_config
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")]
 
@@ -40,8 +41,8 @@ def job(tmp_path_factory, tiny_llama_dir):
     ctx = zmq.Context()
     try:
         with Job(config, run_dir) as job:
-            job.start("target", "target_server", *SHM)
-            job.start("d0", "drafter_worker", "--id", "d0", *SHM)
+            job.start_target(*SHM)
+            job.start_drafter("d0", *SHM)
             job.wait_for(lambda: _checkpoint_step(run_dir) > 0, 120, "d0 to checkpoint")
             job.cfg = load_config(config)
             job.ctx = ctx
@@ -133,7 +134,7 @@ def test_status_needs_the_status_key(job):
     sock.send(P.StatusRequest(auth=status_credential(job.run_dir)).encode())
     msg = _answer(sock)
     sock.close()
-    assert isinstance(msg, P.Status) and [d["id"] for d in msg.drafters] == ["d0"]
+    assert isinstance(msg, P.Status) and [d.id for d in msg.drafters] == ["d0"]
     mode = os.stat(auth_dir(job.run_dir) / "control.key").st_mode & 0o777
     assert mode == 0o600, oct(mode)
 

@@ -24,15 +24,17 @@ import pytest
 import torch
 
 from common import protocol as P
+from tests.messages import welcome
 from common.config import DrafterConfig, load_config
+from deploy.launcher import Job
 from drafter_worker import checkpoint
 from drafter_worker.checkpoint import (
     CheckpointStore, Coverage, Ledger, TrainerState, read_lineage, verify_group, verify_lineage,
 )
 from drafter_worker.trainer import make_optimizer
 from tests.conftest import ROOT
-from tests.drafter_worker.test_checkpoint import one_step, tiny_drafter
-from tests.integration.harness import Job, write_config
+from tests.drafter_worker.test_checkpoint import one_step
+from tests.fixtures import tiny_drafter, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -382,13 +384,10 @@ def test_a_drafter_process_whose_disk_is_full_stops_with_exit_code_3(tmp_path, t
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"checkpoint_every_steps": 2}})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        console = open(run_dir.parent / "d0.console", "a")
-        job.procs["d0"] = subprocess.Popen(
-            [sys.executable, "-c", FULL_AFTER_FIRST_SAVE, "--config", str(config), "--id", "d0"],
-            stdout=console, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        )
+        job.start_metrics()
+        job.start_target()
+        job.start_command("d0", [sys.executable, "-c", FULL_AFTER_FIRST_SAVE, "--config", str(config), "--id", "d0"],
+                          log_name="drafter-d0")
         assert job.procs["d0"].wait(150) == 3, job.all_consoles()
         assert job.terminate("target", 40) == 0
         assert job.terminate("metrics", 40) == 0
@@ -505,13 +504,7 @@ def test_the_writer_removes_stale_temporaries_and_readers_leave_them(tmp_path):
 
 
 def _welcome(fingerprint: str) -> P.Welcome:
-    return P.Welcome(
-        model_id="tiny", hidden_size=32, num_target_layers=6, target_layer_ids=[1, 4], vocab_size=64,
-        mask_token_id=63, block_size=4, dtype="float32", embed_tied=False, target_arch={}, buckets=[[1, 32]],
-        store_host="127.0.0.1", store_port=1, pair_prefix="p", registration_epoch=1, heartbeat_interval_s=1.0,
-        heartbeat_timeout_s=5.0, train_samples=TRAIN_SAMPLES, batches_per_epoch=BATCHES_PER_EPOCH,
-        data_fingerprint=fingerprint,
-    )
+    return welcome(train_samples=TRAIN_SAMPLES, batches_per_epoch=BATCHES_PER_EPOCH, data_fingerprint=fingerprint)
 
 
 def test_a_checkpoint_made_on_other_data_refuses_to_resume(tmp_path):

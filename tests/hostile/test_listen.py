@@ -18,8 +18,9 @@ import pytest
 
 from common.shm_transport import SHM_DIR, sweep_stale
 from common.transport import TransportError, connect_store, host_store
+from deploy.launcher import Job
 from tests.conftest import free_ports
-from tests.integration.harness import Job, write_config
+from tests.fixtures import write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,9 +128,9 @@ def test_every_listening_socket_of_the_job_is_on_the_configured_host(tmp_path, t
     run_dir = tmp_path / "runs" / "it"
     try:
         with Job(config, run_dir) as job:
-            job.start("metrics", "metrics_sidecar")
-            job.start("target", "target_server", *kind)
-            job.start("d0", "drafter_worker", "--id", "d0", *kind)
+            job.start_metrics()
+            job.start_target(*kind)
+            job.start_drafter("d0", *kind)
             # Training means the store, the pair (gloo) and every control socket are up.
             job.wait_for(lambda: job.drafter_steps().get("drafter/d0", 0) >= 4, 150, f"d0 to train over {transport}")
             sockets = {

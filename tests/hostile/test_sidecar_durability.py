@@ -23,8 +23,9 @@ import zmq
 from common.metrics_client import MetricsPusher, encode_metrics_record, make_metrics_record
 from common.sockets import SocketFactory, create_keys
 from metrics_sidecar.sidecar import MetricsSidecar, SidecarBindError
+from metrics_sidecar.wandb_layout import RUNS_FILE
 from metrics_sidecar.wandb_reader import find_offline_run_files, iter_records, read_wandb_offline_run_ids
-from metrics_sidecar.wandb_uploader import stable_run_id, sync_command
+from metrics_sidecar.wandb_uploader import sync_command
 from tests.conftest import ROOT, free_ports
 
 pytestmark = pytest.mark.timeout(300)
@@ -139,14 +140,19 @@ class SidecarProcess:
                 os.kill(pid, signal.SIGKILL)
 
 
-def history_steps(path: Path) -> list[tuple[int, int]]:
-    """(W&B `_step`, `sidecar/window`) of each history row in one offline transaction log."""
+def history_steps(path: Path, axis: str = "sidecar/window") -> list[tuple[int, int]]:
+    """(W&B `_step`, `axis`) of each history row in one offline transaction log."""
     rows = []
     for record in iter_records(path):
         if record.WhichOneof("record_type") == "history":
             items = {(it.key or ".".join(it.nested_key)): json.loads(it.value_json) for it in record.history.item}
-            rows.append((items["_step"], items["sidecar/window"]))
+            rows.append((items["_step"], items[axis]))
     return rows
+
+
+def run_ids(run_dir: Path) -> dict[str, str]:
+    """Run key ("target", "drafter/<id>") -> W&B run id, as the sidecar saved them."""
+    return {key: entry["id"] for key, entry in json.loads((run_dir / RUNS_FILE).read_text())["runs"].items()}
 
 
 # --- 1. kill -9 under a stream -------------------------------------------------------------------
@@ -253,8 +259,8 @@ def test_wandb_segments_across_kill_9_share_the_run_id_with_disjoint_continuing_
         step += 1
         wait_for(lambda: sidecar.text().count("[window ") > logged, 60, f"window of step {step - 1}")
 
-    def on_disk_rows() -> int:
-        files = find_offline_run_files(run_dir)
+    def on_disk_rows() -> int:  # of the target run (pipeline/*, sidecar/*), which logs every window
+        files = find_offline_run_files(run_dir, run_ids(run_dir)["target"])
         return len(history_steps(files[0])) if files else 0
 
     first = SidecarProcess(address, run_dir, wandb_env, *args)
@@ -280,15 +286,21 @@ def test_wandb_segments_across_kill_9_share_the_run_id_with_disjoint_continuing_
         if second is not None:
             second.cleanup()
 
-    files = find_offline_run_files(run_dir)
-    assert len(files) == 2
-    assert read_wandb_offline_run_ids(run_dir) == [stable_run_id(RUN_NAME)] * 2
-    before, after = (history_steps(f) for f in files)
+    ids = run_ids(run_dir)
+    assert set(ids) == {"target", "drafter/d0"}  # the target run and d0's own run, each resumed by id
+    segments = read_wandb_offline_run_ids(run_dir)
+    # d0's first segment can lack even its run record: kill -9 came before its first 32 KiB block.
+    assert segments.count(ids["target"]) == 2 and 1 <= segments.count(ids["drafter/d0"]) <= 2
+    before, after = (history_steps(f) for f in find_offline_run_files(run_dir, ids["target"]))
     for rows in (before, after):
         steps = [s for s, _ in rows]
         assert steps == sorted(set(steps)) and all(s == w for s, w in rows), rows  # _step is the window number
     # Disjoint and continuing: the second start's first step follows the last window the first one claimed.
     assert before[-1][0] <= windows_claimed and [s for s, _ in after] == [windows_claimed + i for i in (1, 2, 3)]
+    # d0's run: the same steps (the window number), its own step axis continuing too.
+    d0_before, d0_after = (history_steps(f, "step") for f in find_offline_run_files(run_dir, ids["drafter/d0"]))
+    assert all(s <= windows_claimed for s, _ in d0_before)
+    assert d0_after == [(windows_claimed + i, step - 3 + i - 1) for i in (1, 2, 3)], d0_after
     # Each start names the one upload command; resume is what makes W&B append segment 2.
     command = sync_command(run_dir)
     assert command.startswith("WANDB_RESUME=allow wandb sync ")
@@ -300,7 +312,7 @@ def test_wandb_segments_across_kill_9_share_the_run_id_with_disjoint_continuing_
         [str(Path(sys.executable).parent / "wandb"), "sync", "--dry-run", str(run_dir / "wandb")],
         env=env, capture_output=True, text=True, timeout=120,
     )
-    assert "Would sync 2 run(s)" in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+    assert "Would sync 4 run(s)" in dry.stdout + dry.stderr, dry.stdout + dry.stderr  # 2 runs x 2 starts
 
 
 # --- 4. floods ------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from common.shm_transport import SHM_DIR, sweep_stale
+from deploy.launcher import Job
 from drafter_worker.checkpoint import verify_lineage
-from tests.integration.harness import Job, write_config
+from tests.fixtures import write_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -57,24 +58,24 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
     run_dir = tmp_path / "runs" / "it"
     try:
         with Job(config, run_dir) as job:
-            job.start("metrics", "metrics_sidecar")
-            job.start("target", "target_server")
-            job.start("d0", "drafter_worker", "--id", "d0")
-            job.start("d1", "drafter_worker", "--id", "d1")
+            job.start_metrics()
+            job.start_target()
+            job.start_drafter("d0")
+            job.start_drafter("d1")
 
             for _ in range(2):
                 floor = _latest_step(job, "drafter/d1") + 6
                 job.wait_for(lambda: _latest_step(job, "drafter/d1") >= floor, 120, f"d1 to reach step {floor}")
                 time.sleep(rng.uniform(0.0, 0.8))
-                job.procs.pop("d1").kill()
+                job.kill("d1")
                 # The survivor keeps training while d1 is down.
                 before = _latest_step(job, "drafter/d0")
                 job.wait_for(lambda: _latest_step(job, "drafter/d0") > before, 30, "d0 to keep training while d1 is down")
-                job.start("d1", "drafter_worker", "--id", "d1")
+                job.start_drafter("d1")
 
-            job.procs.pop("metrics").kill()
+            job.kill("metrics")
             time.sleep(1.0)
-            job.start("metrics", "metrics_sidecar")
+            job.start_metrics()
 
             # The new sidecar appends to the same metrics.jsonl: wait for it to log
             # a drafter record (from whichever drafter is still training).
@@ -83,9 +84,9 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
                          "a drafter's metrics to reach the restarted sidecar")
             assert any(p.poll() is None for n, p in job.procs.items() if n in ("d0", "d1")), \
                 "both drafters finished before the target could be killed: the epoch is too short for this test"
-            job.procs.pop("target").kill()
+            job.kill("target")
             time.sleep(2.0)
-            job.start("target", "target_server")
+            job.start_target()
 
             # Both drafters finish the epoch (DONE) and exit 0 on their own.
             for name in ("d0", "d1"):

@@ -15,7 +15,8 @@ import zmq
 
 from common import protocol as P
 from common.config import load_config
-from tests.integration.harness import Job, write_config
+from deploy.launcher import Job
+from tests.fixtures import write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,8 +57,8 @@ def test_target_survives_fuzzing_and_serves_a_fresh_drafter(tmp_path, tiny_llama
     run_dir = tmp_path / "runs" / "it"
     ctx = zmq.Context()
     with Job(config, run_dir) as job:
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
+        job.start_target()
+        job.start_drafter("d0")
         ckpt = run_dir / "checkpoints" / "d0" / "latest"
         job.wait_for(ckpt.exists, 120, "d0 to checkpoint")
 
@@ -103,7 +104,7 @@ def test_target_survives_fuzzing_and_serves_a_fresh_drafter(tmp_path, tiny_llama
             lambda: int((run_dir / "checkpoints" / "d0" / "latest").read_text().split("-")[1]) > step_before,
             60, "d0 to keep checkpointing after the fuzzing",
         )
-        job.start("d1", "drafter_worker", "--id", "d1")
+        job.start_drafter("d1")
         job.wait_for((run_dir / "checkpoints" / "d1" / "latest").exists, 90, "a fresh drafter to train")
         assert job.procs["target"].poll() is None
         log = (run_dir / "logs" / "target.log").read_text()

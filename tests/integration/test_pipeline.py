@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-from common.dflash_model import load_drafter
+from drafter_worker.model.dflash_model import load_drafter
+from deploy.launcher import Job
 from metrics_sidecar.wandb_reader import read_wandb_offline_history
 from tests.conftest import ROOT
+from tests.fixtures import write_config
 from tests.integration.catalog import catalog_series
-from tests.integration.harness import Job, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,10 +22,10 @@ def test_two_drafters_train_and_everything_exits_zero_on_sigterm(tmp_path, tiny_
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"learning_rate": 2e-3}, "d1": {"learning_rate": 5e-4, "seed": 1}})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
-        job.start("d1", "drafter_worker", "--id", "d1")
+        job.start_metrics()
+        job.start_target()
+        job.start_drafter("d0")
+        job.start_drafter("d1")
         job.wait_for(
             lambda: all(job.drafter_steps().get(f"drafter/{d}", 0) >= 8 for d in ("d0", "d1")),
             timeout_s=150, what="both drafters to report step 8",
@@ -61,15 +62,15 @@ def test_drafter_with_a_different_config_is_refused_with_a_clear_message(tmp_pat
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("target", "target_server")
+        job.start_target()
         # A different data set changes the shared config hash.
-        proc = job.start("d0", "drafter_worker", "--id", "d0", "--set", "data.max_samples=7")
+        proc = job.start_drafter("d0", "--set", "data.max_samples=7")
         code = proc.wait(120)
         assert code == 2, job.console("d0")
         assert "config hash mismatch" in job.console("d0")
         job.procs.pop("d0")
         # The target is still serving: a matching drafter registers and trains.
-        job.start("d1", "drafter_worker", "--id", "d1")
+        job.start_drafter("d1")
         job.wait_for(lambda: (run_dir / "checkpoints" / "d1" / "latest").exists(), 120, "d1 to checkpoint")
         assert job.terminate("target", 30) == 0
 
@@ -78,9 +79,8 @@ def test_port_in_use_and_bad_config_end_in_one_clear_line(tmp_path, tiny_llama_d
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("target", "target_server")
-        job.wait_for(lambda: "serving on" in (run_dir / "logs" / "target.log").read_text()
-                     if (run_dir / "logs" / "target.log").exists() else False, 90, "the target to serve")
+        job.start_target()
+        job.wait_for_log("target", "serving on", 90)
         second = subprocess.run(
             [sys.executable, "-m", "target_server", "--config", str(config)],
             capture_output=True, text=True, timeout=60, cwd=ROOT,

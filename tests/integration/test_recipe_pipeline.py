@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from deploy.launcher import Job
 from drafter_worker.checkpoint import verify_lineage
-from tests.integration.harness import Job, write_config
+from tests.fixtures import write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,9 +22,9 @@ def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, ti
     config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 24"))
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
+        job.start_metrics()
+        job.start_target()
+        job.start_drafter("d0")
         assert job.procs["d0"].wait(180) == 0, job.all_consoles()  # DONE after the plan's two epochs
         codes = {name: job.terminate(name, timeout_s=40) for name in ("target", "metrics")}
         assert codes == {"target": 0, "metrics": 0}, job.all_consoles()
@@ -68,9 +69,9 @@ def test_a_drafter_whose_steps_are_all_non_finite_stops_with_exit_code_3(tmp_pat
     config = write_config(tmp_path, str(target), drafters={"d0": {"checkpoint_every_steps": 1000}})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
+        job.start_metrics()
+        job.start_target()
+        job.start_drafter("d0")
         code = job.procs["d0"].wait(150)
         assert code == 3, job.all_consoles()
     log = (run_dir / "logs" / "drafter-d0.log").read_text()

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.shm_transport import SHM_DIR, sweep_stale
-from tests.integration.harness import Job, write_config
+from deploy.launcher import Job
+from tests.fixtures import write_config
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")]
 
@@ -32,10 +33,10 @@ def test_two_drafters_train_over_shm_a_killed_drafter_leaks_nothing_and_all_exit
 
 def _run(job: Job) -> None:
     with job:
-        job.start("metrics", "metrics_sidecar")
-        target = job.start("target", "target_server", *SHM)
-        job.start("d0", "drafter_worker", "--id", "d0", *SHM)
-        job.start("d1", "drafter_worker", "--id", "d1", *SHM)
+        job.start_metrics()
+        target = job.start_target(*SHM)
+        job.start_drafter("d0", *SHM)
+        job.start_drafter("d1", *SHM)
         job.wait_for(
             lambda: all(job.drafter_steps().get(f"drafter/{d}", 0) >= 8 for d in ("d0", "d1")),
             timeout_s=150, what="both drafters to report step 8 over shm",
@@ -46,7 +47,7 @@ def _run(job: Job) -> None:
 
         # kill -9 one drafter while it trains: the target drops the registration on the
         # heartbeat timeout and takes back the pool slots it held; the other drafter is not disturbed.
-        job.procs.pop("d1").kill()
+        job.kill("d1")
         job.wait_for(lambda: "silent for" in _target_log(job.run_dir), 30, "the target to drop the killed d1")
         # Read after the drop (a heartbeat timeout later): every record of the killed d1 is in by now.
         before = job.drafter_steps()["drafter/d1"]
@@ -54,7 +55,7 @@ def _run(job: Job) -> None:
         job.wait_for(lambda: job.drafter_steps()["drafter/d0"] > d0_then, 60, "d0 to keep training")
 
         # The restarted drafter maps the same pool again and trains past where it was killed.
-        job.start("d1", "drafter_worker", "--id", "d1", *SHM)
+        job.start_drafter("d1", *SHM)
         job.wait_for(lambda: job.drafter_steps().get("drafter/d1", 0) > before, 120, "d1 to train past its kill")
         assert segments(target.pid) == {f"dflash.{target.pid}.weights", pool}
 

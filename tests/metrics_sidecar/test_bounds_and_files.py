@@ -1,4 +1,4 @@
-"""The sidecar's bounded per-source state, its torn-tail repair, and the W&B step it logs.
+"""The sidecar's bounded per-source state, its torn-tail repair, the W&B steps it logs and its run ids.
 
 Pure pieces with a fake clock or a fake W&B run; the process-level versions
 are in tests/hostile/test_sidecar_durability.py.
@@ -13,6 +13,7 @@ import pytest
 from common.metrics_client import MetricsRecord
 from metrics_sidecar.aggregate import WindowAggregator
 from metrics_sidecar.jsonl_log import JsonlLog, repair_torn_tail
+from metrics_sidecar.wandb_layout import LEGACY_RUN_ID_FILE, RUNS_FILE, TARGET_RUN, RunRegistry, resolve_wandb_settings
 from metrics_sidecar.wandb_uploader import WandbUploader
 
 
@@ -82,6 +83,7 @@ def test_jsonl_log_writes_a_window_at_flush_and_continues_after_a_torn_line(tmp_
 class RecordingRun:
     def __init__(self):
         self.calls: list[tuple[int | None, bool | None]] = []
+        self.summary: dict = {}
 
     def define_metric(self, name, step_metric=None):
         pass
@@ -93,14 +95,39 @@ class RecordingRun:
         pass
 
 
-def test_uploader_logs_window_n_as_wandb_step_n(tmp_path):
+def test_uploader_logs_window_n_as_wandb_step_n_in_every_run(tmp_path):
     # Regression: a restarted sidecar's rows restarted at _step 0 in W&B.
-    run = RecordingRun()
-    up = WandbUploader(run_dir=tmp_path, run_name="r", init_fn=lambda **kw: run)
+    runs: dict[str, RecordingRun] = {}
+
+    def init(**kwargs):
+        return runs.setdefault(kwargs["name"], RecordingRun())
+
+    up = WandbUploader(run_dir=tmp_path, run_name="r", init_fn=init)
     agg = WindowAggregator(first_window=41)
     up.start()
-    for _ in range(2):
-        agg.add(rec("drafter/d0"))
-        up.submit(agg.close_window({}))
+    agg.add(rec("drafter/d0"))
+    up.submit(agg.close_window({}))
+    agg.add(rec("drafter/d1"))  # a drafter's first window is the job's 42nd
+    up.submit(agg.close_window({}))
     up.close(timeout_s=10)
-    assert run.calls == [(41, True), (42, True)]
+    assert runs["r/target"].calls == [(41, True), (42, True)]
+    assert runs["r/d0"].calls == [(41, True)] and runs["r/d1"].calls == [(42, True)]
+
+
+def test_run_registry_persists_ids_caps_drafter_runs_and_continues_a_legacy_run(tmp_path, caplog):
+    settings = resolve_wandb_settings(run_dir=tmp_path, job_name="job", env={})
+    (tmp_path / LEGACY_RUN_ID_FILE).write_text("job-1234abcd\n")  # an earlier sidecar's single run
+    registry = RunRegistry(tmp_path, "job", settings, max_drafter_runs=1)
+    target = registry.spec(TARGET_RUN)
+    assert (target.run_id, target.name, target.job_type) == ("job-1234abcd", "job/target", "target")
+    d0 = registry.spec("drafter/d0")
+    assert d0.name == "job/d0" and d0.drafter_id == "d0" and d0.run_id.startswith("job-d0-")
+    assert registry.spec("drafter/d1") is None and registry.spec("eval") is None and registry.spec("drafter/a/b") is None
+    registry.remember_summary("drafter/d0", {"eval/tau": 1.5, "eval/step": 40})
+    again = RunRegistry(tmp_path, "job", settings, max_drafter_runs=1)
+    assert again.ids == {"target": "job-1234abcd", "drafter/d0": d0.run_id}
+    assert again.spec("drafter/d0").summary == {"eval/tau": 1.5, "eval/step": 40}
+    # A fresh run directory never resumes another job's runs of the same name.
+    assert RunRegistry(tmp_path / "fresh", "job", settings).spec(TARGET_RUN).run_id != target.run_id
+    (tmp_path / RUNS_FILE).write_text("{not json")
+    assert RunRegistry(tmp_path, "job", settings).ids == {} and "ignoring unreadable" in caplog.text

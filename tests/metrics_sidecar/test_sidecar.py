@@ -1,7 +1,8 @@
 """Metrics sidecar: windows, aggregates, malformed frames, W&B offline runs, process lifecycle.
 
-Real sockets on loopback, real W&B offline runs read back from the
-transaction log, and `python -m metrics_sidecar` as a real process.
+Real sockets on loopback, real W&B offline runs (one per drafter plus the
+target run) read back from their transaction logs, and `python -m
+metrics_sidecar` as a real process.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ import zmq
 from common.metrics_client import MetricsPusher, MetricsRecord, encode_metrics_record, make_metrics_record
 from metrics_sidecar.aggregate import SourceState, WindowAggregator, pipeline_aggregates
 from metrics_sidecar.sidecar import MetricsSidecar, SidecarBindError
+from metrics_sidecar.wandb_layout import RUNS_FILE, WandbSettingsError, resolve_wandb_settings
 from metrics_sidecar.wandb_reader import (
     find_offline_run_files,
+    iter_records,
     offline_run_finished,
+    offline_upload_lines,
     read_wandb_offline_history,
     read_wandb_offline_run_ids,
-    read_wandb_offline_step_metrics,
+    read_wandb_offline_runs,
 )
-from metrics_sidecar.wandb_uploader import WandbUploader, stable_run_id
+from metrics_sidecar.wandb_uploader import WandbUploader
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,6 +123,8 @@ def test_window_row_has_latest_values_of_sources_seen_in_window():
     agg.add(rec("target", 7, tokens_per_s=1000.0, queue_depth=2))
     w1 = agg.close_window({"sidecar/records_received": 3})
     assert w1.index == 1 and set(w1.sources) == {"drafter/d0", "target"}
+    assert w1.sources["drafter/d0"] == {"loss": 4.0, "lr": 1e-4, "step": 2}
+    assert w1.job["sidecar/window"] == 1 and "drafter/d0/loss" not in w1.job
     assert w1.row["drafter/d0/loss"] == 4.0 and w1.row["drafter/d0/lr"] == 1e-4
     assert w1.row["drafter/d0/step"] == 2 and w1.row["target/step"] == 7
     assert w1.row["sidecar/window"] == 1 and w1.row["sidecar/records_received"] == 3
@@ -163,7 +169,8 @@ def threaded_run(tmp_path_factory, wandb_env):
         close_timeout_s=150.0,  # a loaded machine can take long to start and stop the W&B service
         # A config larger than the 32 KiB log block: the run record spans blocks,
         # so the reader's chunk reassembly is exercised.
-        wandb_config={"lr": 2e-4, "notes": "x" * 70_000},
+        wandb_config={"shared": 1, "notes": "x" * 70_000},
+        drafter_config=lambda drafter: {"id": drafter, "learning_rate": {"d0": 2e-4, "d1": 5e-4}[drafter]},
     )
     errors: list[BaseException] = []
 
@@ -190,6 +197,9 @@ def threaded_run(tmp_path_factory, wandb_env):
                     expected_valid += 1
                 assert pushers["target"].send({"tokens_per_s": 1100.0, "queue_depth": 3}, step)
                 expected_valid += 2
+            if phase == 0:  # dflash-eval --watch measured d0's step-3 checkpoint
+                assert pushers["drafter/d0"].send({"eval/tau": 1.25}, 3)
+                expected_valid += 1
             wait_for(lambda: sidecar.records_received >= expected_valid, 10, "records to arrive")
             wait_for(lambda: sidecar.windows_logged >= phase + 1, 10, "a window to close")
         # Malformed frames: random bytes, a msgpack list, a map missing "values", two frames.
@@ -232,7 +242,7 @@ def test_sidecar_writes_every_valid_record_to_jsonl(threaded_run):
         assert set(r) == {"source", "step", "time", "values", "received_at"}
         by_source.setdefault(r["source"], []).append(r["step"])
     assert by_source == {
-        "drafter/d0": list(range(10)),
+        "drafter/d0": [0, 1, 2, 3, 4, 3, 5, 6, 7, 8, 9],  # the eval record carries its checkpoint's step
         "drafter/d1": list(range(7)),
         "target": list(range(10)),
         "eval": [1],
@@ -251,18 +261,35 @@ def test_sidecar_counts_malformed_frames_and_keeps_running(threaded_run):
 
 
 @pytest.mark.timeout(240)  # the first one also runs the shared fixture
-def test_wandb_offline_run_has_one_row_per_window(threaded_run):
+def test_wandb_has_one_run_per_drafter_and_a_target_run_in_the_jobs_group(threaded_run):
     run_dir = threaded_run["run_dir"]
     sidecar = threaded_run["sidecar"]
-    rows = read_wandb_offline_history(run_dir)
+    runs = read_wandb_offline_runs(run_dir)
+    assert set(runs) == {"thread-run/d0", "thread-run/d1", "thread-run/target"}
+    assert {r.group for r in runs.values()} == {"thread-run"} and {r.project for r in runs.values()} == {"dflash"}
+    d0, d1, target = runs["thread-run/d0"], runs["thread-run/d1"], runs["thread-run/target"]
+    assert (d0.job_type, d1.job_type, target.job_type) == ("drafter", "drafter", "target")
+    # Each run: the shared sections, and a drafter run its own [drafter] section.
+    assert d0.config["drafter"]["learning_rate"] == 2e-4 and d1.config["drafter"]["learning_rate"] == 5e-4
+    assert d1.config["drafter_id"] == "d1" and d1.config["role"] == "drafter" and "drafter" not in target.config
+    assert all(r.config["shared"] == 1 and len(r.config["notes"]) == 70_000 for r in runs.values())
+    # A drafter's series under their own names, on its own step axis; nothing of the other drafter.
+    assert [row["step"] for row in d0.history if "loss" in row][-1] == 9
+    assert [row["loss"] for row in d0.history if "loss" in row][-1] == pytest.approx(5.0 - 9 * 0.25)
+    assert [row["loss"] for row in d1.history if "loss" in row][-1] == pytest.approx(6.0 - 6 * 0.25)
+    assert {k for row in d1.history for k in row} == {"loss", "tokens_per_s", "step", "_step", "_timestamp", "_runtime"}
+    assert d0.step_metrics["loss"] == d0.step_metrics["lr"] == "step" and d0.step_metrics["step"] == ""
+    # The evaluation series on the evaluated checkpoint's step, its last tau in the summary.
+    (evaluated,) = [row for row in d0.history if "eval/tau" in row]
+    assert evaluated["eval/step"] == 3 and evaluated["step"] >= 4  # eval never rewinds the training step
+    assert d0.step_metrics["eval/tau"] == "eval/step"
+    assert d0.summary["eval/tau"] == 1.25 and d0.summary["loss"] == pytest.approx(5.0 - 9 * 0.25)
+    # The target run: one row per window, with target/*, pipeline/*, sidecar/* and other sources.
+    rows = target.history
     assert sidecar.windows_logged >= 3  # phase 1, phase 2, malformed frames
     assert len(rows) == sidecar.windows_logged, "\n".join(threaded_run["lines"][-20:])
-    assert [r["sidecar/window"] for r in rows] == list(range(1, len(rows) + 1))
-    last_d0 = [r for r in rows if "drafter/d0/loss" in r][-1]
-    last_d1 = [r for r in rows if "drafter/d1/loss" in r][-1]
-    assert last_d0["drafter/d0/loss"] == pytest.approx(5.0 - 9 * 0.25)
-    assert last_d0["drafter/d0/step"] == 9
-    assert last_d1["drafter/d1/loss"] == pytest.approx(6.0 - 6 * 0.25)
+    assert [r["sidecar/window"] for r in rows] == [r["_step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert not any(k.startswith("drafter/") for row in rows for k in row)
     final = rows[-1]
     assert final["pipeline/step_skew"] == 3
     assert final["pipeline/slowest_drafter_step"] == 6
@@ -273,17 +300,32 @@ def test_wandb_offline_run_has_one_row_per_window(threaded_run):
     assert final["sidecar/records_dropped_by_producers"] == 7
     assert final["eval/score"] == 0.5 and final["eval/step"] == 1
     assert final["sidecar/records_received"] == sidecar.records_received
+    assert [r["target/queue_depth"] for r in rows if "target/step" in r][-1] == 3
+    for source in ("target", "eval"):
+        assert target.step_metrics[f"{source}/*"] == f"{source}/step" and target.step_metrics[f"{source}/step"] == ""
+    assert target.step_metrics["pipeline/*"] == target.step_metrics["sidecar/*"] == "sidecar/window"
+    # Every run logs window N as W&B step N: steps only increase, also across restarts.
+    windows = {r["sidecar/window"] for r in rows}
+    for run in (d0, d1):
+        steps = [row["_step"] for row in run.history]
+        assert steps == sorted(set(steps)) and set(steps) <= windows
     # Logged counts lag (windows may queue while W&B starts); the final tally is exact.
     calls = [r["sidecar/wandb_calls"] for r in rows]
-    assert calls == sorted(calls) and sidecar.stats()["sidecar/wandb_calls"] == len(rows)
-    (path,) = find_offline_run_files(run_dir)
-    assert offline_run_finished(path)
-    metrics = read_wandb_offline_step_metrics(run_dir)
-    for source in ("drafter/d0", "drafter/d1", "target"):
-        assert metrics[f"{source}/*"] == f"{source}/step" and metrics[f"{source}/step"] == ""
-    assert metrics["pipeline/*"] == metrics["sidecar/*"] == "sidecar/window"
-    assert read_wandb_offline_run_ids(run_dir) == [stable_run_id("thread-run")]
-    assert (run_dir / "wandb_run_id").read_text().strip() == stable_run_id("thread-run")
+    assert calls == sorted(calls)
+    assert sidecar.stats()["sidecar/wandb_calls"] == sum(len(r.history) for r in runs.values())
+    assert sidecar.stats()["sidecar/wandb_runs"] == 3
+    files = find_offline_run_files(run_dir)
+    assert len(files) == 3 and all(offline_run_finished(f) for f in files)
+    saved = json.loads((run_dir / RUNS_FILE).read_text())
+    assert {key: entry["id"] for key, entry in saved["runs"].items()} == sidecar.wandb_run_ids
+    assert sorted(read_wandb_offline_run_ids(run_dir)) == sorted(sidecar.wandb_run_ids.values())
+    assert saved["runs"]["drafter/d0"]["summary"] == {"eval/tau": 1.25, "eval/step": 3}
+    # The job-wide view keeps the names of metrics.jsonl and docs/metrics.md.
+    keys = set().union(*read_wandb_offline_history(run_dir))
+    assert {"drafter/d0/loss", "drafter/d1/step", "drafter/d0/eval/tau", "target/tokens_per_s", "sidecar/window"} <= keys
+    lines = offline_upload_lines(run_dir)
+    assert "thread-run/d0, thread-run/d1, thread-run/target" in lines[0]
+    assert lines[1] == f"upload them with: WANDB_RESUME=allow wandb sync {run_dir / 'wandb'}"
 
 
 @pytest.mark.timeout(60)
@@ -315,7 +357,7 @@ def test_disabled_wandb_and_max_records_per_window(tmp_path):
     assert not thread.is_alive()
     assert sidecar.windows_logged == 4  # 10 + 10 + 10 by count, 5 on stop
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 35
-    assert not (tmp_path / "wandb").exists() and sidecar.wandb_run_id is None
+    assert not (tmp_path / "wandb").exists() and sidecar.wandb_run_ids == {}
     sidecar.close()  # idempotent
 
 
@@ -334,10 +376,12 @@ def test_bind_failure_names_the_address(tmp_path):
 
 
 class FlakyRun:
-    def __init__(self, log_failures: int):
+    def __init__(self, name: str, log_failures: int):
+        self.name = name
         self.log_failures = log_failures
         self.logged: list[dict] = []
         self.defined: list[tuple] = []
+        self.summary: dict = {}
         self.finished = False
 
     def define_metric(self, name, step_metric=None):
@@ -353,33 +397,52 @@ class FlakyRun:
         self.finished = True
 
 
-def _windows(n):
+class FakeWandb:
+    """init_fn for WandbUploader: one FlakyRun per init, by run name."""
+
+    def __init__(self, log_failures: int = 0):
+        self.log_failures = log_failures
+        self.runs: dict[str, FlakyRun] = {}
+        self.inits: list[dict] = []
+
+    def __call__(self, **kwargs):
+        self.inits.append(kwargs)
+        run = self.runs[kwargs["name"]] = FlakyRun(kwargs["name"], self.log_failures)
+        return run
+
+
+def _windows(n, sources=("drafter/d0",)):
     agg = WindowAggregator()
     out = []
     for i in range(n):
-        agg.add(rec("drafter/d0", i, loss=1.0))
+        for source in sources:
+            agg.add(rec(source, i, loss=1.0))
         out.append(agg.close_window({}))
     return out
 
 
 @pytest.mark.timeout(30)
 def test_uploader_retries_then_drops_failing_calls(tmp_path, caplog):
-    run = FlakyRun(log_failures=2)
-    up = WandbUploader(run_dir=tmp_path, run_name="r", retries=3, backoff_s=0.01, init_fn=lambda **kw: run)
+    fake = FakeWandb(log_failures=2)
+    up = WandbUploader(run_dir=tmp_path / "a", run_name="r", retries=3, backoff_s=0.01, init_fn=fake)
     up.start()
     w1, w2 = _windows(2)
     up.submit(w1)
     up.close(timeout_s=10)
-    assert [r["sidecar/window"] for r in run.logged] == [1] and up.calls == 1 and up.failures == 2
-    assert ("drafter/d0/*", "drafter/d0/step") in run.defined and run.finished
+    d0, target = fake.runs["r/d0"], fake.runs["r/target"]
+    assert [r["sidecar/window"] for r in target.logged] == [1] and [r["loss"] for r in d0.logged] == [1.0]
+    assert up.calls == 2 and up.failures == 4 and up.windows_dropped == 0
+    assert ("loss", "step") in d0.defined and ("step", None) in d0.defined
+    assert d0.finished and target.finished
 
-    run = FlakyRun(log_failures=100)
-    up = WandbUploader(run_dir=tmp_path, run_name="r", retries=2, backoff_s=0.01, init_fn=lambda **kw: run)
+    fake = FakeWandb(log_failures=100)
+    up = WandbUploader(run_dir=tmp_path / "b", run_name="r", retries=2, backoff_s=0.01, init_fn=fake)
     up.start()
     up.submit(w1)
     up.submit(w2)
     up.close(timeout_s=10)
-    assert run.logged == [] and up.calls == 0 and up.failures == 6 and run.finished
+    assert all(run.logged == [] and run.finished for run in fake.runs.values())
+    assert up.calls == 0 and up.failures == 12 and up.windows_dropped == 2  # 2 windows x 2 runs x 3 attempts
     assert "giving up" in caplog.text
 
 
@@ -397,14 +460,65 @@ def test_uploader_init_failure_discards_windows(tmp_path):
     assert up.windows_dropped == 3 and up.calls == 0
 
 
+@pytest.mark.timeout(30)
+def test_drafters_beyond_max_drafter_runs_log_into_the_target_run(tmp_path, caplog):
+    # W&B runs are heavy (one wandb.init each): a stream of drafter names must not open runs without bound.
+    fake = FakeWandb()
+    up = WandbUploader(run_dir=tmp_path, run_name="job", max_drafter_runs=2, backoff_s=0.01, init_fn=fake,
+                       config={"shared": 1}, drafter_config=lambda d: {"id": d, "learning_rate": 1.0})
+    up.start()
+    for w in _windows(2, sources=("drafter/d0", "drafter/d1", "drafter/d2", "drafter/d2/x", "target")):
+        up.submit(w)
+    up.close(timeout_s=10)
+    assert set(fake.runs) == {"job/target", "job/d0", "job/d1"} and up.runs_open == 3
+    init = {kw["name"]: kw for kw in fake.inits}
+    assert {kw["group"] for kw in fake.inits} == {"job"} and init["job/d1"]["job_type"] == "drafter"
+    assert init["job/d1"]["config"] == {"shared": 1, "role": "drafter", "drafter_id": "d1",
+                                        "drafter": {"id": "d1", "learning_rate": 1.0}}
+    assert init["job/target"]["config"] == {"shared": 1, "role": "target"}
+    assert all(kw["resume"] == "allow" and kw["reinit"] == "create_new" for kw in fake.inits)
+    target = fake.runs["job/target"].logged
+    assert target[-1]["drafter/d2/loss"] == 1.0 and target[-1]["drafter/d2/x/step"] == 1
+    assert target[-1]["target/step"] == 1 and "drafter/d0/loss" not in target[-1]
+    assert ("drafter/d2/*", "drafter/d2/step") in fake.runs["job/target"].defined
+    assert "metrics.wandb_max_drafter_runs" in caplog.text
+    # A restart keeps the ids, and still opens no third drafter run.
+    fake2 = FakeWandb()
+    up = WandbUploader(run_dir=tmp_path, run_name="job", max_drafter_runs=2, backoff_s=0.01, init_fn=fake2)
+    up.start()
+    for w in _windows(1, sources=("drafter/d2", "drafter/d1")):
+        up.submit(w)
+    up.close(timeout_s=10)
+    assert {kw["name"]: kw["id"] for kw in fake2.inits} == {n: init[n]["id"] for n in ("job/target", "job/d1")}
+
+
+def test_wandb_settings_come_from_the_config_else_the_environment_else_defaults(tmp_path):
+    env = {"WANDB_PROJECT": "env-project", "WANDB_ENTITY": "env-team", "WANDB_MODE": "online",
+           "WANDB_DIR": str(tmp_path / "w"), "WANDB_RUN_GROUP": "env-group"}
+    from_env = resolve_wandb_settings(run_dir=tmp_path, job_name="job", mode="", project="", entity="", dir="",
+                                      group="", env=env)
+    assert (from_env.mode, from_env.project, from_env.entity, from_env.dir, from_env.group) == (
+        "online", "env-project", "env-team", tmp_path / "w", "env-group")
+    from_config = resolve_wandb_settings(run_dir=tmp_path, job_name="job", mode="disabled", project="p", entity="t",
+                                         dir="d", group="g", env=env)
+    assert (from_config.mode, from_config.project, from_config.entity, from_config.dir, from_config.group) == (
+        "disabled", "p", "t", Path("d"), "g")
+    default = resolve_wandb_settings(run_dir=tmp_path, job_name="job", env={})
+    assert (default.mode, default.project, default.entity, default.dir, default.group) == (
+        "offline", "dflash", None, tmp_path, "job")
+    assert resolve_wandb_settings(run_dir=tmp_path, job_name="job", env={"WANDB_MODE": "dryrun"}).mode == "offline"
+    with pytest.raises(WandbSettingsError, match="WANDB_MODE must be one of offline, online, disabled, got 'loud'"):
+        resolve_wandb_settings(run_dir=tmp_path, job_name="job", env={"WANDB_MODE": "loud"})
+
+
 # --- the process: signals, exit codes, resume ---------------------------------------------
 
 
-def start_sidecar_process(address: str, run_dir: Path, env: dict):
+def start_sidecar_process(address: str, run_dir: Path, env: dict, *args: str):
     """Start `python -m metrics_sidecar`; return the process, its stderr lines, and their reader."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "metrics_sidecar", "--address", address, "--run-dir", str(run_dir),
-         "--run-name", "proc-run", "--window-s", "0.3"],
+         "--run-name", "proc-run", "--window-s", "0.3", *args],
         cwd=REPO_ROOT,
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
@@ -427,24 +541,52 @@ def stop_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, timeout_s
         raise
 
 
-@pytest.mark.timeout(60)
-def test_process_stops_cleanly_on_signals_and_restart_resumes_same_run(tmp_path, wandb_env):
-    # Guards DESIGN section 7 "sidecar dies": the producer keeps its pusher
-    # across the restart (ZeroMQ reconnects), and the W&B run resumes under
-    # the same id with the window axis continuing.
+def segment_summary(path: Path) -> dict:
+    """The summary one offline segment (one sidecar start) recorded."""
+    summary = {}
+    for record in iter_records(path):
+        if record.WhichOneof("record_type") == "summary":
+            summary.update({(it.key or ".".join(it.nested_key)): json.loads(it.value_json)
+                            for it in record.summary.update})
+    return summary
+
+
+JOB_CONFIG = """
+[drafter]
+learning_rate = 2e-4
+
+[drafters.d1]
+learning_rate = 5e-4
+seed = 1
+"""
+
+
+@pytest.mark.timeout(90)
+def test_process_two_drafters_restart_resumes_the_same_runs_with_config_from_file_and_env(tmp_path, wandb_env):
+    # Guards docs/architecture.md "Failure semantics", the sidecar dies: the producers keep their pushers
+    # across the restart (ZeroMQ reconnects), and every W&B run resumes under
+    # its id with its steps continuing. Also: all drafters shared one run whose
+    # config held d0's section only, and WANDB_PROJECT was ignored.
+    config = tmp_path / "job.toml"
+    config.write_text(JOB_CONFIG)
     run_dir = tmp_path / "proc-run"
     address = free_address()
-    pusher = MetricsPusher(address, "drafter/d0")
+    env = {**wandb_env, "WANDB_PROJECT": "from-env"}
+    pushers = {s: MetricsPusher(address, s) for s in ("drafter/d0", "drafter/d1", "target")}
     try:
         for generation, signum in enumerate((signal.SIGTERM, signal.SIGINT)):
-            proc, lines, reader = start_sidecar_process(address, run_dir, wandb_env)
+            proc, lines, reader = start_sidecar_process(address, run_dir, env, "--config", str(config))
             try:
                 wait_for(lambda: any("[startup]" in line for line in lines), 20, "sidecar start-up")
                 steps = range(generation * 10, generation * 10 + 5)
                 for step in steps:
-                    pusher.send({"loss": float(step)}, step)
+                    for source, pusher in pushers.items():
+                        pusher.send({"loss": float(step) + (source == "drafter/d1")}, step)
+                if generation == 0:
+                    pushers["drafter/d0"].send({"eval/tau": 1.5}, 2)
                 wait_for(
-                    lambda: set(steps) <= {r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")},
+                    lambda: set(steps) <= {r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")
+                                           if r["source"] == "drafter/d1"},
                     20,
                     f"generation {generation} records",
                 )
@@ -457,15 +599,29 @@ def test_process_stops_cleanly_on_signals_and_restart_resumes_same_run(tmp_path,
             assert rc == 0, "".join(lines)
             assert any("exited cleanly" in line for line in lines), "".join(lines)
     finally:
-        pusher.close()
+        for pusher in pushers.values():
+            pusher.close()
 
-    files = find_offline_run_files(run_dir)
-    assert len(files) == 2 and all(offline_run_finished(f) for f in files)
-    assert read_wandb_offline_run_ids(run_dir) == [stable_run_id("proc-run")] * 2
-    rows = read_wandb_offline_history(run_dir)
-    windows = [r["sidecar/window"] for r in rows]
-    assert windows == sorted(windows) and len(set(windows)) == len(windows), "window axis must continue on restart"
-    assert [r for r in rows if "drafter/d0/loss" in r][-1]["drafter/d0/loss"] == 14.0
+    runs = read_wandb_offline_runs(run_dir)
+    assert set(runs) == {"proc-run/d0", "proc-run/d1", "proc-run/target"}
+    assert {(r.group, r.project) for r in runs.values()} == {("proc-run", "from-env")}
+    assert runs["proc-run/d0"].config["drafter"]["learning_rate"] == 2e-4
+    assert runs["proc-run/d1"].config["drafter"]["learning_rate"] == 5e-4
+    assert runs["proc-run/d1"].config["drafter"]["seed"] == 1 and runs["proc-run/d1"].config["drafter"]["id"] == "d1"
+    assert runs["proc-run/target"].config["config_file"] == str(config) and "drafter" not in runs["proc-run/target"].config
+    saved = json.loads((run_dir / RUNS_FILE).read_text())["runs"]
+    for name, run in runs.items():
+        key = "target" if name.endswith("/target") else "drafter/" + name.split("/")[1]
+        assert run.run_id == saved[key]["id"]
+        assert len(run.files) == 2 and all(offline_run_finished(f) for f in run.files)  # one segment per start
+        assert read_wandb_offline_run_ids(run_dir).count(run.run_id) == 2
+        steps = [row["_step"] for row in run.history]
+        assert steps == sorted(set(steps)), f"{name}: steps must continue on restart"
+    d1 = [(row["step"], row["loss"]) for row in runs["proc-run/d1"].history]
+    assert d1[-1] == (14, 15.0) and [s for s, _ in d1] == sorted(s for s, _ in d1)
+    # The last measured tau is in d0's summary, also in the segment written after the restart.
+    assert segment_summary(runs["proc-run/d0"].files[-1])["eval/tau"] == 1.5
+    assert "eval/tau" not in runs["proc-run/d1"].summary
 
 
 @pytest.mark.timeout(30)

@@ -18,6 +18,7 @@ from common import protocol as P
 from common.auth import hello_proof, status_proof
 from target_server.coordinator import Admission, Coordinator
 from target_server.link import LinkEvent
+from tests.messages import welcome
 from tests.target_server.test_scheduler import Capturer, make_scheduler
 
 KEY = "k" * 64
@@ -77,13 +78,8 @@ class MemoryPlane:
         pass
 
 
-def welcome(endpoint, epoch: int) -> P.Welcome:
-    return P.Welcome(
-        model_id="tiny", hidden_size=8, num_target_layers=4, target_layer_ids=[1], vocab_size=32, mask_token_id=31,
-        block_size=4, dtype="float32", embed_tied=True, target_arch={}, buckets=[[2, 4]], store_host="127.0.0.1",
-        store_port=1, registration_epoch=epoch, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0,
-        **endpoint.welcome_fields(),
-    )
+def welcome_for(endpoint, epoch: int) -> P.Welcome:
+    return welcome(registration_epoch=epoch, **endpoint.welcome_fields())
 
 
 class Job:
@@ -97,7 +93,7 @@ class Job:
         self.coord = Coordinator(
             admission=Admission(control_key=KEY, config_hash=HASH, transport="gloo", gpu_uuid="", max_drafters=max_drafters,
                                 heartbeat_timeout_s=10.0, ack_timeout_s=100.0, pair_timeout_s=30.0),
-            scheduler=self.sched, data_plane=self.plane, welcome=welcome)
+            scheduler=self.sched, data_plane=self.plane, welcome=welcome_for)
         self.now = 1000.0
 
     def send(self, identity: bytes, msg: P.Message) -> list[tuple[bytes, P.Message]]:
@@ -141,7 +137,7 @@ def test_hello_then_credits_then_batches_in_plan_order():
     assert job.batches_to(b"a", out) == [0, 1]
     assert job.plane.endpoints[0].handed == [0, 1]
     job.send(b"a", ack([0, 1], step=5, checkpoint=4))
-    assert job.coord.status_rows(job.now)[0]["checkpoint_step"] == 4
+    assert job.coord.status_rows(job.now)[0].checkpoint_step == 4
 
 
 def test_credits_bound_what_is_sent_and_are_capped():
@@ -278,4 +274,4 @@ def test_refusals_say_why_and_register_nothing():
     assert codes == [P.E_AUTH, P.E_CONFIG, P.E_BUSY]
     assert set(job.coord.regs) == {b"a"}
     status = job.send(b"s", P.StatusRequest(auth=status_proof(KEY)))
-    assert isinstance(status[0][1], P.Status) and status[0][1].drafters[0]["id"] == "d0"
+    assert isinstance(status[0][1], P.Status) and status[0][1].drafters[0].id == "d0"

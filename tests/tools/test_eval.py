@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from common.config import load_config
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
 from common.metrics_client import parse_metrics_record
 from drafter_worker.checkpoint import CheckpointStore, Coverage, TrainerState
 from tests.conftest import free_ports
@@ -56,6 +56,19 @@ def test_run_directory_helpers(run_dir):
     assert training_eal(run_dir, "d0", 10) == 0.25
     assert training_eal(run_dir, "d0", 7) == 0.1
     assert training_eal(run_dir, "d0", 1) is None
+
+
+def test_training_eal_parses_records_instead_of_searching_lines(tmp_path):
+    # Guards against a proxy reported as "not found": metrics.jsonl escapes a non-ASCII
+    # drafter id ("drafter/d\u00e9"), which a substring search for the source never matched.
+    with open(tmp_path / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for source, step, values in (("drafter/d\u00e9", 4, {"eal": 0.5}), ("drafter/d\u00e9", 6, {"eal": 0.7}),
+                                     ("drafter/d\u00e92", 5, {"eal": 9.0}), ("drafter/d\u00e9", 5, {"loss": 3.0})):
+            f.write(json.dumps({"source": source, "step": step, "values": values}) + "\n")
+        f.write('{"source": "drafter/d\u00e9", "step": 5, "val')  # a line being written
+    assert training_eal(tmp_path, "d\u00e9", 5) == 0.5
+    assert training_eal(tmp_path, "d\u00e9", 6) == 0.7
+    assert training_eal(tmp_path, "d\u00e9", 3) is None
 
 
 def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):

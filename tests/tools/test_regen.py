@@ -73,9 +73,9 @@ def test_regen_writes_chat_jsonl_and_resumes_without_duplicates(tiny_llama_dir, 
 
     # The target server reads the file as data.source.
     assert len(load_conversations(str(out), seed=0)) == 5
-    from tests.tiny_target import _smollm2_tokenizer
+    from tests.fixtures import smollm2_tokenizer
 
-    dataset = build_dataset(_smollm2_tokenizer(), str(out), max_seq_len=128, seed=0, heldout_fraction=0.0)
+    dataset = build_dataset(smollm2_tokenizer(), str(out), max_seq_len=128, seed=0, heldout_fraction=0.0)
     assert len(dataset.train) + dataset.num_dropped == 5
 
 

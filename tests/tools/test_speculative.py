@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
 from tools.speculative import (
     DFlashProposer,
     SpecStats,

@@ -12,8 +12,9 @@ import tomllib
 import pytest
 
 from common import protocol as P
+from deploy.launcher import Job
 from tests.conftest import ROOT, free_ports
-from tests.integration.harness import Job, write_config
+from tests.fixtures import write_config
 from tools.status import format_status, last_losses
 
 
@@ -25,10 +26,10 @@ def test_table_shows_every_field_and_config_drafters_that_are_not_connected():
     status = P.Status(
         uptime_s=3725.0, tokens_per_s=1532.4, queue_depth=5, bucket_depths=[1, 0, 4],
         drafters=[
-            {"id": "d1", "group": "g", "state": "forming pair", "step": 0, "checkpoint_step": 0, "inflight": 0,
-             "heartbeat_age_s": 0.25, "pid": 42, "epoch": 3},
-            {"id": "d0", "group": "g", "state": "training", "step": 1200, "checkpoint_step": 1000, "inflight": 2,
-             "heartbeat_age_s": 1.5, "pid": 41, "epoch": 1},
+            P.DrafterStatus(id="d1", group="g", state="forming pair", step=0, checkpoint_step=0, inflight=0,
+                            heartbeat_age_s=0.25, pid=42, epoch=3),
+            P.DrafterStatus(id="d0", group="g", state="training", step=1200, checkpoint_step=1000, inflight=2,
+                            heartbeat_age_s=1.5, pid=41, epoch=1),
         ],
     )
     text = format_status(status, address="tcp://127.0.0.1:5555", run_name="exp", bucket_lengths=[64, 128, 256],
@@ -92,10 +93,10 @@ def test_live_target_lists_both_drafters(tmp_path, tiny_llama_dir):
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {}, "d1": {"learning_rate": 5e-4, "seed": 1}})
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
-        job.start("metrics", "metrics_sidecar")
-        job.start("target", "target_server")
-        job.start("d0", "drafter_worker", "--id", "d0")
-        job.start("d1", "drafter_worker", "--id", "d1")
+        job.start_metrics()
+        job.start_target()
+        job.start_drafter("d0")
+        job.start_drafter("d1")
         job.wait_for(lambda: all(job.drafter_steps().get(f"drafter/{d}", 0) >= 4 for d in ("d0", "d1")),
                      timeout_s=150, what="both drafters to report step 4")
 

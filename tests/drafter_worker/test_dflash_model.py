@@ -1,4 +1,4 @@
-"""Tests for common/dflash_model.py: layer rule, config layout, model, loss, checkpoint I/O."""
+"""Tests for drafter_worker/model/dflash_model.py: layer rule, config layout, model, loss, checkpoint I/O."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, repeat_kv, rotate_half
 
-from common.dflash_model import (
+from drafter_worker.model.lm_loss import lm_head_loss
+from drafter_worker.model.dflash_model import (
     DFlashDrafter,
     build_block_inputs,
     build_target_layer_ids,
     dflash_block_loss,
     expected_acceptance_length,
-    lm_head_loss,
     load_drafter,
     make_drafter_config,
     sample_anchors,
@@ -598,7 +598,7 @@ def test_load_rejects_mismatched_weights(tmp_path):
 def test_context_cache_matches_full_context():
     # Guards speculative decoding: a drafter pass that reads earlier context
     # from DraftContextCache must equal one that is given the whole context.
-    from common.dflash_model import DraftContextCache
+    from drafter_worker.model.dflash_model import DraftContextCache
 
     model = tiny_drafter().eval()
     gen = torch.Generator().manual_seed(5)

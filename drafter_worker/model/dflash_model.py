@@ -7,7 +7,7 @@ drafters: same ``config.json`` layout (a ``Qwen3Config`` with
 ``architectures=["DFlashDraftModel"]`` and a ``dflash_config`` block) and the
 same ``state_dict`` key names.
 
-Design notes (see DESIGN.md section 5):
+Design notes (see docs/architecture.md, "The drafter"):
 
 * The drafter conditions on the concatenation of several target layers' hidden
   states (``[B, C, k*H]``), fused by ``fc`` (k*H -> H, no bias) and
@@ -24,9 +24,14 @@ Everything on the training path (``sample_anchors``, ``dflash_block_loss``,
 shapes or Python branches on tensor values.  All shapes depend only on Python
 ints (batch size, sequence length, number of anchors, block size).
 
-This module depends only on torch, safetensors, transformers' ``Qwen3Config``
-and ``common.fused_lm_loss`` (the fused LM-head loss, which uses Triton when it
-can); it must never import the process packages.
+The architecture itself (modules, forward pass, sliding-window layers, the
+inference context cache) lives in ``drafter_worker/model/modeling_dflash.py``, a file that
+imports only torch and transformers because ``dflash-export`` ships it with
+every exported drafter for ``AutoModel.from_pretrained(..., trust_remote_code=True)``.
+This module adds what only training needs (initialisation, anchors, the loss)
+and checkpoint I/O. It depends only on torch, safetensors, transformers,
+``drafter_worker.model.modeling_dflash`` and ``drafter_worker.model.lm_loss`` (the fused LM-head
+loss, which uses Triton when it can); it must never import the process packages.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -46,29 +52,44 @@ from safetensors.torch import save_file as _safetensors_save_file
 from torch import nn
 from transformers import Qwen3Config
 
-from common.fused_lm_loss import fused_lm_head_loss
+from drafter_worker.model import modeling_dflash
+from common.layer_ids import build_target_layer_ids
+from drafter_worker.model.lm_loss import fused_lm_head_loss
+from drafter_worker.model.modeling_dflash import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DFlashDraftMixin,
+    DraftContextCache,
+    RMSNorm,
+)
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE_NAME = "DFlashDraftModel"
+# The modeling file an exported directory ships, and the auto_map naming it (the
+# published DFlash drafters' names, which tools built around them look for).
+MODELING_FILE_NAME = "dflash.py"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 __all__ = [
     "ARCHITECTURE_NAME",
+    "AUTO_MAP",
     "BlockInputs",
     "BlockLossOutput",
     "DFlashDrafter",
     "DraftContextCache",
+    "MODELING_FILE_NAME",
     "build_block_inputs",
     "build_target_layer_ids",
     "dflash_block_loss",
     "expected_acceptance_length",
     "init_feature_scale",
     "init_logit_scale",
-    "lm_head_loss",
     "load_drafter",
     "make_drafter_config",
+    "resolve_layer_types",
     "sample_anchors",
     "save_drafter",
 ]
@@ -84,32 +105,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the drafter (the DFlash rule).
-
-    One draft layer reads the middle target layer; otherwise the layers are
-    spread evenly (rounded) from layer 1 to layer ``num_target_layers - 3``
-    inclusive.  The feature for layer ``i`` is ``hidden_states[i + 1]`` in
-    transformers' indexing (index 0 is the embedding output).
-    """
-    if not _is_int(num_target_layers) or num_target_layers < 1:
-        raise ValueError(f"num_target_layers must be a positive int, got {num_target_layers!r}")
-    if not _is_int(num_draft_layers) or num_draft_layers < 1:
-        raise ValueError(f"num_draft_layers must be a positive int, got {num_draft_layers!r}")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    # Distinct layers need at least num_draft_layers candidates in [start, end].
-    if end - start + 1 < num_draft_layers:
-        raise ValueError(
-            f"cannot spread {num_draft_layers} draft layers over target layers "
-            f"{start}..{end} of a {num_target_layers}-layer target; need "
-            f"num_target_layers >= num_draft_layers + 3"
-        )
-    span = end - start
-    # Python's round() (half to even) is what the published rule uses, so the
-    # chosen layers match published checkpoints exactly.
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+def resolve_layer_types(num_layers: int, layer_types: Sequence[str] | None, sliding_window: int) -> list[str]:
+    """Each layer's attention type: ``layer_types`` as given, or, when empty, every
+    layer ``sliding_attention`` if ``sliding_window > 0`` and ``full_attention`` if not."""
+    if not _is_int(sliding_window) or sliding_window < 0:
+        raise ValueError(f"sliding_window must be an int >= 0, got {sliding_window!r}")
+    if not layer_types:
+        return [SLIDING_ATTENTION if sliding_window else FULL_ATTENTION] * num_layers
+    types = [str(t) for t in layer_types]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the drafter has {num_layers}")
+    unknown = sorted({t for t in types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
+    if unknown:
+        raise ValueError(f"layer_types may hold only {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}, got {unknown}")
+    if SLIDING_ATTENTION in types and not sliding_window:
+        raise ValueError("sliding_attention layers need sliding_window > 0")
+    if SLIDING_ATTENTION not in types and sliding_window:
+        raise ValueError(f"sliding_window={sliding_window} is set but no layer is {SLIDING_ATTENTION!r}")
+    return types
 
 
 def _qwen3config_accepts_rope_parameters() -> bool:
@@ -134,8 +147,15 @@ def make_drafter_config(
     mask_token_id: int,
     initializer_range: float = 0.02,
     draft_vocab_size: int = 0,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int = 0,
 ) -> Qwen3Config:
-    """A ``Qwen3Config`` laid out like published DFlash draft checkpoints."""
+    """A ``Qwen3Config`` laid out like published DFlash draft checkpoints.
+
+    ``layer_types`` (one of ``"full_attention"``/``"sliding_attention"`` per layer)
+    and ``sliding_window`` choose sliding-window layers; without ``layer_types``
+    every layer is sliding when ``sliding_window > 0``, else full attention.
+    """
     positive = {
         "hidden_size": hidden_size,
         "num_attention_heads": num_attention_heads,
@@ -171,6 +191,7 @@ def make_drafter_config(
         raise ValueError(f"draft_vocab_size must be an int in [0, vocab_size={vocab_size}], got {draft_vocab_size!r}")
     if float(rope_theta) <= 0 or float(rms_norm_eps) <= 0:
         raise ValueError(f"rope_theta and rms_norm_eps must be positive, got {rope_theta}, {rms_norm_eps}")
+    types = resolve_layer_types(num_hidden_layers, layer_types, sliding_window)
 
     kwargs: dict[str, Any] = dict(
         architectures=[ARCHITECTURE_NAME],
@@ -189,10 +210,10 @@ def make_drafter_config(
         use_cache=False,
         attention_bias=False,
         attention_dropout=0.0,
-        use_sliding_window=False,
-        sliding_window=None,
+        use_sliding_window=SLIDING_ATTENTION in types,
+        sliding_window=sliding_window if SLIDING_ATTENTION in types else None,
         max_window_layers=num_hidden_layers,
-        layer_types=["full_attention"] * num_hidden_layers,
+        layer_types=types,
     )
     # transformers 5 keeps the rope base in rope_parameters; 4.x takes rope_theta.
     if _qwen3config_accepts_rope_parameters():
@@ -217,276 +238,25 @@ def make_drafter_config(
     return config
 
 
-def _draft_value(config: Qwen3Config, name: str, default: Any = None) -> Any:
-    """A DFlash setting: ``dflash_config[name]`` first, then ``config.name``."""
-    dflash = getattr(config, "dflash_config", None) or {}
-    if name in dflash:
-        return dflash[name]
-    return getattr(config, name, default)
-
-
-def _rope_theta(config: Qwen3Config) -> float:
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        rope_type = params.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"only rope_type 'default' is supported for DFlash drafters, got {rope_type!r}")
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        raise ValueError("config has neither rope_parameters['rope_theta'] nor rope_theta")
-    return float(theta)
-
-
-def _validate_model_config(config: Qwen3Config) -> None:
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"only hidden_act 'silu' is supported, got {config.hidden_act!r}")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"only full_attention layers are supported, got layer_types={layer_types}")
-    if getattr(config, "is_causal", False):
-        raise ValueError("DFlash drafter blocks are bidirectional; config.is_causal must be False")
-    if config.num_attention_heads % config.num_key_value_heads != 0:
-        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-    if _draft_value(config, "target_layer_ids") is None:
-        raise ValueError("config must define dflash_config.target_layer_ids")
-    if _draft_value(config, "mask_token_id") is None:
-        raise ValueError("config must define dflash_config.mask_token_id")
-
-
 # ---------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """Qwen3/Llama RMSNorm: normalise in fp32, scale in the input dtype."""
+class DFlashDrafter(DFlashDraftMixin, nn.Module):
+    """The DFlash draft model trained here; ``state_dict()`` keys match published checkpoints.
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class RotaryEmbedding(nn.Module):
-    """Default (unscaled) rotate-half RoPE; ``inv_freq`` is not saved."""
-
-    def __init__(self, head_dim: int, theta: float, device: torch.device | None = None) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.theta = theta
-        self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
-
-    def _inv_freq(self, device: torch.device | str | None) -> torch.Tensor:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-        return 1.0 / (self.theta**exponent)
-
-    def reset_inv_freq(self, device: torch.device | str) -> None:
-        """Recompute the buffer (e.g. after building the module on the meta device)."""
-        self.inv_freq = self._inv_freq(device)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Angles in fp32 regardless of the model dtype: bf16 positions lose
-        # precision quickly past a few hundred tokens.
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-class DFlashAttention(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
-        self.dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-        bias = bool(getattr(config, "attention_bias", False))
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        context_cache: "DraftContextCache | None" = None,
-        layer_idx: int = 0,
-    ) -> torch.Tensor:
-        bsz, q_len, _ = x.shape
-        ctx_len = context.shape[1]
-        kv_len = ctx_len + q_len
-
-        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        # Context keys/values come first, then the block's own.
-        k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1)
-        v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1)
-        k = self.k_norm(k.view(bsz, kv_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = v.view(bsz, kv_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-
-        # cos/sin cover all C+Q positions; queries are the last Q of them.
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
-        q = q * cos[:, :, -q_len:] + _rotate_half(q) * sin[:, :, -q_len:]
-        k = k * cos + _rotate_half(k) * sin
-        if context_cache is not None:
-            # Earlier context goes in front; only the context (never the block
-            # slots) is remembered for the next call.
-            k, v = context_cache._extend(layer_idx, k, v, ctx_len)
-            kv_len = k.shape[2]
-
-        # Expand KV heads explicitly instead of SDPA's enable_gqa: with an
-        # arbitrary boolean mask, enable_gqa rules out the memory-efficient
-        # CUDA kernel and falls back to the math path, which materialises the
-        # whole attention matrix.
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k[:, :, None].expand(bsz, self.num_kv_heads, groups, kv_len, self.head_dim)
-            k = k.reshape(bsz, self.num_heads, kv_len, self.head_dim)
-            v = v[:, :, None].expand(bsz, self.num_kv_heads, groups, kv_len, self.head_dim)
-            v = v.reshape(bsz, self.num_heads, kv_len, self.head_dim)
-
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=False,
-            scale=self.scaling,
-        )
-        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
-        return self.o_proj(out)
-
-
-class DFlashMLP(nn.Module):
-    """SwiGLU MLP (Qwen3MLP layout)."""
+    The architecture (submodules, forward pass, draft vocabulary) is
+    :class:`drafter_worker.model.modeling_dflash.DFlashDraftMixin`, the same code an exported
+    drafter runs as ``DFlashDraftModel`` under ``AutoModel``; this class adds the
+    training-side initialisation and a positional ``forward``.
+    """
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.self_attn = DFlashAttention(config)
-        self.mlp = DFlashMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        context_cache: "DraftContextCache | None" = None,
-        layer_idx: int = 0,
-    ) -> torch.Tensor:
-        # Only the block stream is normalised here: the fused context was
-        # already normalised once by hidden_norm and is shared by all layers.
-        x = x + self.self_attn(
-            self.input_layernorm(x), context, cos, sin, attention_mask, context_cache, layer_idx
-        )
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DFlashDrafter(nn.Module):
-    """The DFlash draft model; ``state_dict()`` keys match published checkpoints."""
-
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        _validate_model_config(config)
         self.config = config
-        self.target_layer_ids: list[int] = [int(i) for i in _draft_value(config, "target_layer_ids")]
-        self.block_size: int = int(_draft_value(config, "block_size", 16))
-        self.mask_token_id: int = int(_draft_value(config, "mask_token_id"))
-        hidden = config.hidden_size
-        # Optional draft vocabulary (as EAGLE-3's d2t): the drafter scores only these target
-        # token ids, the ones its data uses most. The LM head's cost per drafted token is the
-        # largest part of a CPU training step, so a K-token vocabulary makes steps ~V/K cheaper
-        # in the head; a token outside it is never drafted (its slot counts as a miss).
-        self.draft_vocab_size: int = int(_draft_value(config, "draft_vocab_size", 0) or 0)
-        if self.draft_vocab_size:
-            self.register_buffer("draft_vocab", torch.arange(self.draft_vocab_size, dtype=torch.long))
-
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, _rope_theta(config))
+        self._build_dflash(config)
         self.reset_parameters()
-
-    @torch.no_grad()
-    def set_draft_vocab(self, token_ids: Sequence[int] | torch.Tensor) -> None:
-        """Set the target ids the drafter scores (``draft_vocab_size`` distinct ids in range)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-        vocab = int(self.config.vocab_size)
-        if ids.numel() != self.draft_vocab_size:
-            raise ValueError(f"a draft vocabulary of {self.draft_vocab_size} ids was configured, got {ids.numel()}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel()):
-            raise ValueError(f"draft vocabulary ids must be distinct and in [0, {vocab})")
-        self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
-
-    def head_and_labels(
-        self, lm_head_weight: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The LM head rows the drafter scores, and ``labels`` mapped into them.
-
-        Without a draft vocabulary: the head and labels unchanged (``in_vocab`` None).
-        With one: ``head[draft_vocab]``, labels as draft indices (0 where the token
-        is outside the vocabulary) and a bool ``in_vocab`` mask. No host syncs.
-        """
-        if not self.draft_vocab_size:
-            return lm_head_weight, labels, None
-        head = lm_head_weight.index_select(0, self.draft_vocab.to(lm_head_weight.device))
-        if labels is None:
-            return head, None, None
-        to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=labels.device)
-        to_draft[self.draft_vocab.to(labels.device)] = torch.arange(self.draft_vocab_size, device=labels.device)
-        mapped = to_draft[labels]
-        in_vocab = mapped >= 0
-        return head, mapped.clamp(min=0), in_vocab
-
-    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Logits over the target's whole vocabulary (``-inf`` outside a draft vocabulary)."""
-        head, _, _ = self.head_and_labels(lm_head_weight)
-        logits = F.linear(hidden.to(device=head.device, dtype=head.dtype), head)
-        if not self.draft_vocab_size:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
-        full[..., self.draft_vocab.to(full.device)] = logits
-        return full
-
-    @property
-    def feature_size(self) -> int:
-        """Width of the target feature the drafter reads: k * hidden_size."""
-        return len(self.target_layer_ids) * self.config.hidden_size
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -505,7 +275,7 @@ class DFlashDrafter(nn.Module):
         noise_embedding: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        context_cache: "DraftContextCache | None" = None,
+        context_cache: DraftContextCache | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block slots.
 
@@ -514,7 +284,8 @@ class DFlashDrafter(nn.Module):
             noise_embedding: ``[B, Q, H]`` token embeddings of the block slots.
             position_ids: ``[B, C+Q]`` positions of the context then of the block slots.
             attention_mask: bool ``[B, 1, Q, C+Q]``, True where a slot may attend;
-                ``None`` lets every slot attend to everything.
+                ``None`` lets every slot attend to everything. Sliding-window layers
+                further restrict it by position (``|p_query - p_key| < sliding_window``).
             context_cache: inference only. Keys/values of earlier context
                 positions (a :class:`DraftContextCache`); ``target_hidden``
                 then holds only the new context positions (``position_ids``
@@ -525,25 +296,7 @@ class DFlashDrafter(nn.Module):
         Returns:
             ``[B, Q, H]`` after the final norm (apply the target's LM head for logits).
         """
-        bsz, ctx_len, feat = target_hidden.shape
-        q_len = noise_embedding.shape[1]
-        if feat != self.feature_size:
-            raise ValueError(f"target_hidden last dim {feat} != k*H = {self.feature_size}")
-        if tuple(position_ids.shape) != (bsz, ctx_len + q_len):
-            raise ValueError(
-                f"position_ids shape {tuple(position_ids.shape)} != (B, C+Q) = {(bsz, ctx_len + q_len)}"
-            )
-
-        context = self.hidden_norm(self.fc(target_hidden))
-        x = noise_embedding
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
-        if context_cache is not None and len(context_cache.keys) != len(self.layers):
-            raise ValueError(
-                f"context_cache has {len(context_cache.keys)} layers, the drafter {len(self.layers)}"
-            )
-        for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, context, cos, sin, attention_mask, context_cache, layer_idx)
-        return self.norm(x)
+        return self._draft(target_hidden, noise_embedding, position_ids, attention_mask, context_cache)
 
 
 @torch.no_grad()
@@ -613,48 +366,6 @@ def init_feature_scale(drafter: DFlashDrafter, features: torch.Tensor, lengths: 
     drafter.fc.weight.div_((rms / rms.mean()).clamp(min=1e-3).to(drafter.fc.weight.dtype))
 
 
-class DraftContextCache:
-    """Keys/values of the target context already seen, per drafter layer (inference).
-
-    In speculative decoding the context grows by the tokens each verification
-    accepts; caching its keys/values (after ``k_norm`` and rotary, as the
-    attention uses them) makes each drafter pass cost O(new context + block)
-    instead of O(whole context).  Block slots are never cached, so nothing has
-    to be removed after a verification; :meth:`crop` rolls the context back
-    when a caller needs to.
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def __len__(self) -> int:
-        """Context positions cached."""
-        first = self.keys[0] if self.keys else None
-        return 0 if first is None else int(first.shape[2])
-
-    def crop(self, length: int) -> None:
-        """Keep only the first ``length`` cached context positions."""
-        if length < 0:
-            raise ValueError(f"crop length must be >= 0, got {length}")
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None and v is not None:
-                self.keys[i], self.values[i] = k[:, :, :length], v[:, :, :length]
-
-    def _extend(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, ctx_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k``/``v`` are ``[B, kv_heads, C+Q, D]``: store the first ``ctx_len``
-        positions after the cached ones; return cached + ``k``/``v``."""
-        past_k, past_v = self.keys[layer_idx], self.values[layer_idx]
-        if past_k is None or past_v is None:
-            full_k, full_v = k, v
-        else:
-            full_k, full_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        cached = 0 if past_k is None else past_k.shape[2]
-        self.keys[layer_idx] = full_k[:, :, : cached + ctx_len]
-        self.values[layer_idx] = full_v[:, :, : cached + ctx_len]
-        return full_k, full_v
 
 
 # ---------------------------------------------------------------------------
@@ -778,40 +489,6 @@ def build_block_inputs(
     )
 
 
-def lm_head_loss(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    labels: torch.Tensor,
-    weights: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy through the frozen LM head (plain reference).
-
-    Materialises the ``[..., V]`` logits.  The training loss uses
-    :func:`common.fused_lm_loss.fused_lm_head_loss`, which has the same
-    semantics without them; this stays as the reference it is tested against.
-
-    Args:
-        hidden: ``[..., H]`` drafter outputs.
-        lm_head_weight: ``[V, H]`` frozen target LM head.
-        labels: ``[...]`` target token ids (any value in range where weight is 0).
-        weights: ``[...]`` float per-token weights (0 = ignored).
-
-    Returns:
-        ``(loss_sum, weight_sum, hits)``: scalar ``sum(weights * CE)`` (with
-        grad), scalar ``sum(weights)``, and float ``[...]`` 1.0 where the argmax
-        equals the label (unmasked, no grad).
-    """
-    # Compute in the head's dtype so a bf16 head is never copied to fp32.
-    logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    ce = F.cross_entropy(flat_logits, labels.reshape(-1), reduction="none").view(labels.shape)
-    weights = weights.float()
-    loss_sum = (ce * weights).sum()
-    with torch.no_grad():
-        hits = (logits.argmax(dim=-1) == labels).float()
-    return loss_sum, weights.sum(), hits
-
-
 @dataclass
 class BlockLossOutput:
     loss: torch.Tensor  # scalar, weighted mean CE, with grad
@@ -838,6 +515,7 @@ def dflash_block_loss(
     lm_head_weight: torch.Tensor,
     num_anchors: int | None = None,
     loss_gamma: float,
+    loss_impl: str = "auto",
     generator: torch.Generator | None = None,
     anchors: torch.Tensor | None = None,
     anchor_valid: torch.Tensor | None = None,
@@ -882,8 +560,8 @@ def dflash_block_loss(
     weights = _slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid
     weights = weights[:, :, 1:] if in_vocab is None else weights[:, :, 1:] * in_vocab
     # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
-    # Fused: never builds the [N, V] logits (DFLASH_FUSED_LOSS=off selects lm_head_loss).
-    loss_sum, weight_sum, hits = fused_lm_head_loss(hidden[:, :, 1:], head, labels, weights)
+    # Fused (drafter.loss_impl auto/chunked/triton): never builds the [N, V] logits.
+    loss_sum, weight_sum, hits = fused_lm_head_loss(hidden[:, :, 1:], head, labels, weights, mode=loss_impl)
     if in_vocab is not None:
         hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
     loss = loss_sum / weight_sum.clamp(min=1e-6)
@@ -920,17 +598,30 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save_drafter(directory: str | os.PathLike, drafter: DFlashDrafter) -> None:
+def save_drafter(directory: str | os.PathLike, drafter: DFlashDrafter, *, with_code: bool = False) -> None:
     """Write ``config.json`` and ``model.safetensors`` into ``directory``.
 
-    The weights file is written to a temporary name and renamed, so a crash
-    never leaves a truncated ``model.safetensors`` behind.
+    With ``with_code`` also ``dflash.py`` (a copy of :mod:`drafter_worker.model.modeling_dflash`)
+    and, in ``config.json``, the ``auto_map`` naming it, so that
+    ``AutoModel.from_pretrained(directory, trust_remote_code=True)`` loads the
+    drafter; without it any ``auto_map`` the config carried (an init_from
+    directory's) is dropped, as no code ships with the files.
+
+    Files are written to temporary names and renamed, so a crash never leaves a
+    truncated ``model.safetensors`` behind.
     """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     config = copy.deepcopy(drafter.config)
     # Serving engines load with dtype="auto"; record what the weights are.
     config.dtype = _dtype_name(drafter.fc.weight.dtype)
+    if with_code:
+        config.auto_map = dict(AUTO_MAP)
+        code = os.path.join(directory, MODELING_FILE_NAME)
+        shutil.copyfile(modeling_dflash.__file__, code + ".tmp")
+        os.replace(code + ".tmp", code)
+    elif getattr(config, "auto_map", None):
+        del config.auto_map
     config.save_pretrained(directory)
 
     state = {name: t.detach().contiguous() for name, t in drafter.state_dict().items()}
@@ -942,8 +633,22 @@ def save_drafter(directory: str | os.PathLike, drafter: DFlashDrafter) -> None:
     logger.info("saved DFlash drafter (%d tensors) to %s", len(state), directory)
 
 
+def _load_weights(directory: str, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """``model.safetensors``, or the shards a ``model.safetensors.index.json`` names."""
+    index = os.path.join(directory, WEIGHTS_NAME + ".index.json")
+    if not os.path.exists(os.path.join(directory, WEIGHTS_NAME)) and os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(_safetensors_load_file(os.path.join(directory, shard), device=str(device)))
+        return state
+    return _safetensors_load_file(os.path.join(directory, WEIGHTS_NAME), device=str(device))
+
+
 def load_drafter(directory: str | os.PathLike, device: torch.device | str = "cpu") -> DFlashDrafter:
-    """Load a drafter saved by :func:`save_drafter` (or a published DFlash checkpoint).
+    """Load a drafter saved by :func:`save_drafter` (or a published DFlash checkpoint,
+    whose weights may be sharded).
 
     Weights keep the dtype they were saved in.  Raises ``ValueError`` naming
     missing, unexpected or mis-shaped keys.
@@ -957,7 +662,7 @@ def load_drafter(directory: str | os.PathLike, device: torch.device | str = "cpu
     # init, and the parameters keep the checkpoint's dtype.
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
-    state = _safetensors_load_file(os.path.join(directory, WEIGHTS_NAME), device=str(device))
+    state = _load_weights(directory, device)
 
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(state))

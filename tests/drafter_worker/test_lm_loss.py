@@ -1,4 +1,4 @@
-"""Fused LM-head loss against the plain reference ``common.dflash_model.lm_head_loss``."""
+"""The LM-head loss implementations against the plain reference ``drafter_worker.model.lm_loss.lm_head_loss``."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from common import fused_lm_loss
-from common.dflash_model import lm_head_loss
-from common.fused_lm_loss import (
-    ENV_VAR,
+from drafter_worker.model import lm_loss
+from drafter_worker.model.lm_loss import (
     chunked_lm_head_loss,
     fused_lm_head_loss,
+    lm_head_loss,
     resolve_mode,
     triton_lm_head_loss,
 )
@@ -30,14 +29,14 @@ HIDDEN = 48
 VOCAB = 1000
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_TRITON = fused_lm_loss.triton is not None
+HAS_TRITON = lm_loss.triton is not None
 # Triton decides compiled vs interpreted when it decorates a kernel, and
 # triton.language's own helpers (tl.sum, tl.max) are decorated when triton is
 # imported, so TRITON_INTERPRET=1 must be in the environment before the first
 # ``import triton``: the interpreted Triton tests run in a subprocess started
 # by test_triton_kernel_in_interpreter_subprocess (or directly when the whole
 # suite already runs with TRITON_INTERPRET=1).
-INTERPRETED = HAS_TRITON and fused_lm_loss._INTERPRETED
+INTERPRETED = HAS_TRITON and lm_loss._INTERPRETED
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 interpreted_only = pytest.mark.skipif(
     not INTERPRETED, reason="needs TRITON_INTERPRET=1 before import; run in a subprocess by the driver test"
@@ -300,24 +299,19 @@ def test_chunked_makes_no_host_syncs(monkeypatch):
     assert math.isfinite(loss_sum.item())
 
 
-def test_dispatch_modes(monkeypatch):
+def test_dispatch_modes():
     cpu = torch.device("cpu")
-    monkeypatch.delenv(ENV_VAR, raising=False)
     assert resolve_mode(cpu) == "chunked"
-    if fused_lm_loss.triton is not None:
+    if lm_loss.triton is not None:
         assert resolve_mode(torch.device("cuda")) == "triton"
-    monkeypatch.setenv(ENV_VAR, "OFF")
-    assert resolve_mode(cpu) == "off"
-    assert resolve_mode(cpu, "chunked") == "chunked"  # the argument wins over the variable
-    monkeypatch.setenv(ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        resolve_mode(cpu)
+    assert resolve_mode(cpu, "torch") == "torch"
+    with pytest.raises(ValueError, match="drafter.loss_impl"):
+        resolve_mode(cpu, "fast")
 
     h, w, labels, weights = make_inputs(seed=7)
     ref = lm_head_loss(h, w, labels, weights)
-    for mode in ("off", "chunked"):
-        monkeypatch.setenv(ENV_VAR, mode)
-        got = fused_lm_head_loss(h, w, labels, weights)
+    for mode in ("torch", "chunked", "auto"):
+        got = fused_lm_head_loss(h, w, labels, weights, mode=mode)
         assert rel(got[0], ref[0]) < 1e-5 and torch.equal(got[2], ref[2])
 
 

@@ -1,7 +1,6 @@
-"""LM head + cross-entropy + argmax accuracy without materialising ``[N, V]`` logits.
+"""LM head + cross-entropy + argmax accuracy: the plain reference and versions without ``[N, V]`` logits.
 
-Drop-in replacements for :func:`common.dflash_model.lm_head_loss` (the plain
-reference): same arguments, same ``(loss_sum, weight_sum, hits)`` result, same
+Drop-in replacements for :func:`lm_head_loss` (the plain reference): same arguments, same ``(loss_sum, weight_sum, hits)`` result, same
 gradients.  With ``N`` scored positions (~2000 per step: 16 blocks x 15 slots x
 8 rows) and the target vocabulary ``V`` (49152 for SmolLM2, 150k+ for Qwen),
 the reference holds the fp32 logits, their softmax and its gradient, each
@@ -31,9 +30,9 @@ Implementations (all without device-to-host syncs):
   not writing/reading the chunk logits in the forward.  Runs on CUDA, or on CPU
   when ``TRITON_INTERPRET=1`` was set before triton was first imported (slow;
   for tests).
-* :func:`fused_lm_head_loss` - dispatch.  ``DFLASH_FUSED_LOSS`` selects
-  ``triton``, ``chunked``, ``off`` (the plain reference) or ``auto`` (default:
-  Triton for CUDA tensors when Triton imports, else chunked).
+* :func:`fused_lm_head_loss` - dispatch by ``drafter.loss_impl``: ``triton``,
+  ``chunked``, ``torch`` (the plain reference) or ``auto`` (default: Triton for
+  CUDA tensors when Triton imports, else chunked).
 
 Semantics shared with the reference: logits are computed in the LM head's dtype
 (``hidden`` is cast to it) and then read as fp32, so a bf16 head is never
@@ -66,15 +65,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
-    "ENV_VAR",
+    "MODES",
     "chunked_lm_head_loss",
     "fused_lm_head_loss",
+    "lm_head_loss",
     "resolve_mode",
     "triton_lm_head_loss",
 ]
 
-ENV_VAR = "DFLASH_FUSED_LOSS"
-MODES = ("auto", "triton", "chunked", "off")
+MODES = ("auto", "triton", "chunked", "torch")  # drafter.loss_impl
 DEFAULT_CHUNK_SIZE = 4096
 
 LossResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -207,6 +206,45 @@ def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
 # ---------------------------------------------------------------------------
 # Chunked torch implementation
 # ---------------------------------------------------------------------------
+# Plain reference (drafter.loss_impl = "torch")
+# ---------------------------------------------------------------------------
+
+
+def lm_head_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy through the frozen LM head (plain reference).
+
+    Materialises the ``[..., V]`` logits.  ``drafter.loss_impl = "torch"``
+    trains with it; the other implementations have the same semantics without
+    the logits and are tested against it.
+
+    Args:
+        hidden: ``[..., H]`` drafter outputs.
+        lm_head_weight: ``[V, H]`` frozen target LM head.
+        labels: ``[...]`` target token ids (any value in range where weight is 0).
+        weights: ``[...]`` float per-token weights (0 = ignored).
+
+    Returns:
+        ``(loss_sum, weight_sum, hits)``: scalar ``sum(weights * CE)`` (with
+        grad), scalar ``sum(weights)``, and float ``[...]`` 1.0 where the argmax
+        equals the label (unmasked, no grad).
+    """
+    # Compute in the head's dtype so a bf16 head is never copied to fp32.
+    logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight).float()
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    ce = F.cross_entropy(flat_logits, labels.reshape(-1), reduction="none").view(labels.shape)
+    weights = weights.float()
+    loss_sum = (ce * weights).sum()
+    with torch.no_grad():
+        hits = (logits.argmax(dim=-1) == labels).float()
+    return loss_sum, weights.sum(), hits
+
+
+# ---------------------------------------------------------------------------
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
@@ -251,7 +289,7 @@ def chunked_lm_head_loss(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LossResult:
-    """:func:`~common.dflash_model.lm_head_loss` over vocabulary chunks (torch only, any device).
+    """:func:`lm_head_loss` over vocabulary chunks (torch only, any device).
 
     ``grad_weight`` is computed only when ``lm_head_weight.requires_grad``.
     """
@@ -472,7 +510,7 @@ def triton_lm_head_loss(
     num_splits: int | None = None,
     num_warps: int = 8,
 ) -> LossResult:
-    """:func:`~common.dflash_model.lm_head_loss` with a Triton forward kernel.
+    """:func:`lm_head_loss` with a Triton forward kernel.
 
     The backward recomputes logits per ``chunk_size`` vocabulary chunk with
     torch matmuls.  Block sizes (powers of two, >= 16) and ``num_splits`` (how
@@ -490,7 +528,7 @@ def triton_lm_head_loss(
     if not _triton_available_for(hidden.device):
         raise RuntimeError(
             f"triton_lm_head_loss needs CUDA tensors (got {hidden.device}); set TRITON_INTERPRET=1 to run "
-            f"the kernel on CPU (slow; set it before triton is first imported), or use {ENV_VAR}=chunked"
+            "the kernel on CPU (slow; set it before triton is first imported), or set drafter.loss_impl = \"chunked\""
         )
     x, flat_labels, flat_weights = _flatten(hidden, lm_head_weight, labels, weights)
     need_x, need_w = _needs_grad(x, lm_head_weight)
@@ -510,18 +548,13 @@ def triton_lm_head_loss(
 # ---------------------------------------------------------------------------
 
 
-def resolve_mode(device: torch.device, mode: str | None = None) -> str:
-    """``triton``, ``chunked`` or ``off`` for tensors on ``device``.
-
-    ``mode`` defaults to the ``DFLASH_FUSED_LOSS`` environment variable, then
-    ``auto`` (Triton on CUDA when it imports, else chunked).
-    """
-    chosen = (mode if mode is not None else os.environ.get(ENV_VAR, "auto")).strip().lower() or "auto"
-    if chosen not in MODES:
-        raise ValueError(f"{ENV_VAR} must be one of {', '.join(MODES)}, got {chosen!r}")
-    if chosen == "auto":
+def resolve_mode(device: torch.device, mode: str = "auto") -> str:
+    """``triton``, ``chunked`` or ``torch`` for tensors on ``device`` (``auto``: Triton on CUDA when it imports)."""
+    if mode not in MODES:
+        raise ValueError(f"drafter.loss_impl must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto":
         return "triton" if triton is not None and device.type == "cuda" else "chunked"
-    return chosen
+    return mode
 
 
 def fused_lm_head_loss(
@@ -531,18 +564,15 @@ def fused_lm_head_loss(
     weights: torch.Tensor,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    mode: str | None = None,
+    mode: str = "auto",
 ) -> LossResult:
-    """Weighted CE through the LM head without ``[N, V]`` logits; see the module docstring.
+    """Weighted CE through the LM head by the implementation ``mode`` names (``drafter.loss_impl``).
 
-    Same arguments and result as :func:`common.dflash_model.lm_head_loss`.
-    ``mode`` overrides ``DFLASH_FUSED_LOSS`` (``auto|triton|chunked|off``).
+    Same arguments and result as :func:`lm_head_loss`; all but ``torch`` never build ``[N, V]`` logits.
     """
     chosen = resolve_mode(hidden.device, mode)
     if chosen == "triton":
         return triton_lm_head_loss(hidden, lm_head_weight, labels, weights, chunk_size=chunk_size)
     if chosen == "chunked":
         return chunked_lm_head_loss(hidden, lm_head_weight, labels, weights, chunk_size=chunk_size)
-    from common.dflash_model import lm_head_loss  # the plain reference; imported late (no cycle)
-
     return lm_head_loss(hidden, lm_head_weight, labels, weights)
