@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.protocol import NAME
+
 
 class ConfigError(ValueError):
     """A user-fixable problem with the configuration (message names the key)."""
@@ -226,7 +228,10 @@ class DrafterConfig:
     stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
 
     def __post_init__(self) -> None:
-        _require(bool(self.id) and "/" not in self.id, "drafter.id", "must be a non-empty name without '/'", self.id)
+        # The control plane's name rule: a HELLO with any other id or group is refused.
+        _require(NAME.fullmatch(self.id) is not None, "drafter.id", "must be 1-64 characters of A-Z a-z 0-9 _ . -", self.id)
+        _require(not self.group or NAME.fullmatch(self.group) is not None, "drafter.group",
+                 "must be empty or 1-64 characters of A-Z a-z 0-9 _ . -", self.group)
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1", self.num_layers)
         _require(self.matmul_precision in ("highest", "high", "medium"), "drafter.matmul_precision",
                  "must be highest, high or medium", self.matmul_precision)

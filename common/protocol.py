@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WELCOME.block_size gone, WELCOME.target_arch and STATUS.drafters typed
 TOKEN_RANKING_MAX = 32768  # ids in WELCOME.token_ranking (about 100 KB of msgpack)
 
 # Value bounds, checked by decode() before a message reaches any state.

@@ -1,7 +1,7 @@
 """Data plane: a 2-rank process group per (target, drafter registration).
 
 The target hosts one ``TCPStore``. Each registration gets a fresh
-``PrefixStore`` (``pair/<drafter>/<epoch>``), so a restarted drafter forms a new
+``PrefixStore`` (``pair/<128-bit random hex>/<epoch>``, told only in WELCOME), so a restarted drafter forms a new
 pair without any global ``init_process_group`` and without disturbing other
 pairs. NCCL (CUDA) and Gloo (CPU) go through the same code: only the backend
 constructor differs. Rank 0 is always the target, rank 1 the drafter.

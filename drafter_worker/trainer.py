@@ -22,6 +22,7 @@ import torch
 
 from common.config import DrafterConfig
 from common.metric_names import Drafter
+from common.progress import Progress
 from drafter_worker.model.device_metrics import DeviceAccumulators
 from drafter_worker.model.dflash_model import DFlashDrafter, dflash_block_loss
 from drafter_worker.model.lm_loss import resolve_mode
@@ -169,6 +170,7 @@ class DrafterTrainer:
         generator = torch.Generator(device=device)
         generator.manual_seed(0)
         self.model.train()
+        progress = Progress("drafter warm-up", total=len(shapes), unit="shapes", every_s=10.0, logger=logger)
         for batch_size, seq_len in shapes:
             out = dflash_block_loss(
                 self.model,
@@ -180,10 +182,12 @@ class DrafterTrainer:
                 lm_head_weight=lm_head_weight,
                 num_anchors=self.cfg.anchors_per_sequence,
                 loss_gamma=self.cfg.loss_gamma,
-            loss_impl=self.cfg.loss_impl,
+                loss_impl=self.cfg.loss_impl,
                 generator=generator,
             )
             out.loss.backward()
+            progress.update()
+        progress.close()
         self.optimizer.zero_grad(set_to_none=True)
 
 

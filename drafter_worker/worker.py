@@ -8,8 +8,9 @@ target is back; it never exits because of the target.
 
 With transport "shm" there is no pair group: the worker maps the target's batch
 pool named in WELCOME, the receiver waits for the slot named in each BATCH to
-carry its tag, and a CPU drafter trains on the slot in place (the target's
-capture wrote it there: no copy anywhere); the ACK hands the slot back.
+carry its tag, copies the batch out and checks the tag again (a slot rewritten
+under the copy means the target dropped us: register again); the ACK hands the
+slot back.
 """
 
 from __future__ import annotations

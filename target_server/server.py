@@ -36,6 +36,7 @@ from common.metric_names import TARGET_SOURCE, Target
 from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
+from common.progress import Progress
 from common.streams import SideStream
 from common.transport import TransportError, gpu_uuid, host_store
 from target_server.admission import PeerRateLimiter
@@ -206,10 +207,12 @@ class TargetServer:
     def _warm_up(self) -> None:
         """Run every bucket shape once so allocator/kernel set-up is not in the first measured batch."""
         start = time.perf_counter()
-        for layout in self.layouts:
-            buf = layout.allocate(self.device)
-            features, ids, _, _ = layout.views(buf)
-            self.capture.run(ids.long(), features)
+        with Progress("target warm-up", total=len(self.layouts), unit="shapes", every_s=10.0, logger=logger) as progress:
+            for layout in self.layouts:
+                buf = layout.allocate(self.device)
+                features, ids, _, _ = layout.views(buf)
+                self.capture.run(ids.long(), features)
+                progress.update()
         logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(self.layouts), time.perf_counter() - start)
 
     # ---------------------------------------------------------------- capture thread

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from common import cli
 from tools.regen_prompts import Messages, Prompt, RegenError, read_prompts  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("tools.regen")
@@ -185,11 +186,10 @@ def regenerate(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-regen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"messages\": [...]} or {\"prompt\": ...}")
-    p.add_argument("--out", type=Path, required=True, help="chat JSONL to write (appended to when resuming)")
-    p.add_argument("--config", help="job config whose [target] section names the model (default: built-in)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set target.device=cuda:0")
+    p.add_argument("--prompts", type=Path, help="JSONL of {\"messages\": [...]} or {\"prompt\": ...} (required)")
+    p.add_argument("--out", type=Path, help="chat JSONL to write (appended to when resuming; required)")
+    cli.add_config_args(p, config_help="job config whose [target] section names the model",
+                        set_example="target.device=cuda:0", env=False)
     p.add_argument("--model", help="shortcut for --set target.model=MODEL; with --base-url, the served model's name")
     p.add_argument("--batch-size", type=int, help="prompts per generate call (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap (default 512)")
@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--max-attempts", type=int, help="tries per prompt before it is skipped (default 6)")
     server.add_argument("--request-timeout-s", type=float, help="limit on one request (default 600)")
     args = p.parse_args(argv)
+    if args.print_config and args.base_url:
+        p.error("--print-config shows the in-process mode's config; with --base-url the server's settings apply")
+    if not args.print_config and (args.prompts is None or args.out is None):
+        p.error("--prompts and --out are required")
     if args.base_url:
         return _main_server(p, args)
     if args.concurrency is not None or args.max_attempts is not None or args.request_timeout_s is not None:
@@ -217,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     from common.config import ConfigError, load_config
     from common.logging_setup import setup_logging
 
+    overrides = cli.config_overrides(args, env=False, flags=[cli.override("target.model", args.model)] if args.model else [])
+    if args.print_config:
+        cfg = cli.load_job_config("dflash-regen", args.config, overrides)
+        return 2 if cfg is None else cli.print_config(cfg, "dflash-regen", args.config, overrides)
     setup_logging("regen")
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"target.model={json.dumps(args.model)}")
     try:
         cfg = load_config(args.config, overrides)
         prompts = read_prompts(args.prompts)

@@ -143,7 +143,7 @@ def test_an_ack_flood_from_several_sockets_does_not_silence_the_real_drafter(job
     """ACKs of a million ids just under control.max_message_bytes (about 0.5 s each to validate in
     full), and HELLO-sized frames, from six sockets for five seconds."""
     huge = P.Ack(batch_ids=[i % 128 for i in range(1_000_000)], step=1, checkpoint_step=0).encode()
-    large = msgpack.packb({"type": "HELLO", "v": 1, "pad": "x" * (P.INBOUND_BYTES["HELLO"] - 100)})
+    large = msgpack.packb({"type": "HELLO", "v": P.PROTOCOL_VERSION, "pad": "x" * (P.INBOUND_BYTES["HELLO"] - 100)})
     assert len(huge) < job.cfg.control.max_message_bytes
     socks = [_dealer(job) for _ in range(6)]
     for sock in socks:

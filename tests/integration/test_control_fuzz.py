@@ -33,17 +33,17 @@ def _hostile_frames(rng: random.Random, config_hash: str) -> list[list[bytes]]:
         elif kind == 2:
             frames.append([msgpack.packb(rng.choice([[1, 2, 3], "HELLO", 42, None, {"no": "type"}]))])
         elif kind == 3:
-            frames.append([msgpack.packb({"type": rng.choice(["NOPE", "BATCH", "WELCOME", ""]), "v": 1})])
+            frames.append([msgpack.packb({"type": rng.choice(["NOPE", "BATCH", "WELCOME", ""]), "v": P.PROTOCOL_VERSION})])
         elif kind == 4:
             frames.append([msgpack.packb({"type": "HELLO", "v": rng.choice([0, 2, "1", True, None])})])
         elif kind == 5:
-            body = {"type": "HELLO", "v": 1, "drafter_id": rng.choice(["", "x" * 500, "../etc", 7]), "group": "g",
+            body = {"type": "HELLO", "v": P.PROTOCOL_VERSION, "drafter_id": rng.choice(["", "x" * 500, "../etc", 7]), "group": "g",
                     "config_hash": config_hash, "transport": "gloo", "pid": 1}
             frames.append([msgpack.packb(body)])
         elif kind == 6:
             frames.append([valid, valid])  # two frames
         elif kind == 7:
-            frames.append([msgpack.packb({"type": "ACK", "v": 1, "batch_ids": [1], "step": 1, "checkpoint_step": 0})])
+            frames.append([msgpack.packb({"type": "ACK", "v": P.PROTOCOL_VERSION, "batch_ids": [1], "step": 1, "checkpoint_step": 0})])
         elif kind == 8:
             frames.append([msgpack.packb(msgpack.ExtType(1, b"\x80\x04pickle"))])
         else:
