@@ -38,8 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from drafter_worker.model.dflash_model import lm_head_loss  # noqa: E402
-from drafter_worker.model.lm_loss import chunked_lm_head_loss, triton_lm_head_loss  # noqa: E402
+from drafter_worker.model.lm_loss import chunked_lm_head_loss, lm_head_loss, triton_lm_head_loss  # noqa: E402
 
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

@@ -204,7 +204,7 @@ def _target(args, device: torch.device, port: int, child: subprocess.Popen) -> i
 
 
 def cmd_drafter(args) -> int:
-    from drafter_worker.worker import Receiver
+    from drafter_worker.data_plane import PairAttachment, Receiver
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -224,7 +224,7 @@ def cmd_drafter(args) -> int:
     ok = torch.equal(wbuf, content(wbuf.numel(), 0, device))
     log(f"drafter: weights {args.weights_mib} MiB received in {seconds:.2f}s, content {'OK' if ok else 'WRONG'}")
     del wbuf
-    receiver = Receiver(pair, None, args.timeout_s, device)
+    receiver = Receiver(PairAttachment(pair), device)
     receiver.start()
     bufs = [torch.empty(args.max_mib * MIB, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
     for i in range(min(WINDOW, args.batches)):

@@ -64,6 +64,8 @@ class ControlConfig:
     max_message_bytes: int = _doc("control frames larger than this are refused", 1 << 20)
     max_drafters: int = _doc("registrations the target accepts at once (bounds what a HELLO flood can hold)", 64)
     ack_timeout_s: float = _doc("a registration holding batches this long without acknowledging any is dropped (they go to another drafter)", 900.0)
+    replica_addresses: list[str] = _doc("control address of each target replica (target.replicas entries, e.g. one per host); empty = control.address with its port raised by replica * replica_port_step", default_factory=list)
+    replica_port_step: int = _doc("replica r binds control.address's port and control.store_port, each + r * replica_port_step (when replica_addresses is empty)", 100)
 
     def __post_init__(self) -> None:
         _require(self.address.startswith(("tcp://", "ipc://")), "control.address", "must start with tcp:// or ipc://", self.address)
@@ -79,6 +81,9 @@ class ControlConfig:
         _require(self.max_drafters >= 1, "control.max_drafters", "must be >= 1", self.max_drafters)
         _require(self.ack_timeout_s > self.heartbeat_timeout_s, "control.ack_timeout_s", "must exceed control.heartbeat_timeout_s", self.ack_timeout_s)
         _require(self.max_message_bytes >= 4096, "control.max_message_bytes", "must be >= 4096", self.max_message_bytes)
+        _require(all(a.startswith(("tcp://", "ipc://")) for a in self.replica_addresses), "control.replica_addresses",
+                 "must each start with tcp:// or ipc://", self.replica_addresses)
+        _require(self.replica_port_step >= 1, "control.replica_port_step", "must be >= 1", self.replica_port_step)
 
 
 @dataclass
@@ -141,9 +146,17 @@ class TargetConfig:
     ready_batches: int = _doc("captured-batch buffers per length bucket (how far the target may run ahead)", 3)
     feature_cache_gb: float = _doc("keep each training sample's captured features (on target.device) up to this many GB, so later epochs run no target forward; 0 = off", 0.0)
     stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds or exit hard (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
+    replicas: int = _doc("target processes serving the plan; replica r serves the plan indices i with i mod replicas == r (docs/architecture.md)", 1)
+    replica: int = _doc("which replica this target process is (dflash-target --replica R)", 0)
+    devices: list[str] = _doc("device of each replica (target.replicas entries, e.g. [\"cuda:0\", \"cuda:1\"]); empty = target.device for all", default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "target.model", "must be set", self.model)
+        _require(1 <= self.replicas <= 1024, "target.replicas", "must be in [1, 1024]", self.replicas)
+        _require(0 <= self.replica < self.replicas, "target.replica", f"must be in [0, target.replicas = {self.replicas})",
+                 self.replica)
+        _require(not self.devices or len(self.devices) == self.replicas, "target.devices",
+                 f"must be empty or name target.replicas = {self.replicas} devices", self.devices)
         _require(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype", "must be float32, bfloat16 or float16", self.dtype)
         _require(self.num_captured_layers >= 1, "target.num_captured_layers", "must be >= 1", self.num_captured_layers)
         _require(all(i >= 0 for i in self.target_layer_ids), "target.target_layer_ids", "must be non-negative", self.target_layer_ids)
@@ -195,9 +208,9 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "
 
 @dataclass
 class DrafterConfig:
-    id: str = _doc("drafter id (names its checkpoints and metrics series)", "d0")
-    group: str = _doc("drafters of one group share one sample stream; empty = own group named after the id", "")
+    id: str = _doc("drafter id (names its checkpoints and metrics series); under torchrun every rank trains this one drafter", "d0")
     device: str = _doc("training device: cpu or cuda[:N]", "cpu")
+    devices: list[str] = _doc("device of each local rank under torchrun (LOCAL_RANK indexes it); empty = drafter.device, or cuda:LOCAL_RANK when that is 'cuda'", default_factory=list)
     threads: int = _doc("torch CPU threads; 0 keeps torch's default", 0)
     matmul_precision: str = _doc("torch.set_float32_matmul_precision for the drafter: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 passes)", "highest")
     num_layers: int = _doc("decoder layers of the drafter", 1)
@@ -228,10 +241,8 @@ class DrafterConfig:
     stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
 
     def __post_init__(self) -> None:
-        # The control plane's name rule: a HELLO with any other id or group is refused.
+        # The control plane's name rule: a HELLO with any other id is refused.
         _require(NAME.fullmatch(self.id) is not None, "drafter.id", "must be 1-64 characters of A-Z a-z 0-9 _ . -", self.id)
-        _require(not self.group or NAME.fullmatch(self.group) is not None, "drafter.group",
-                 "must be empty or 1-64 characters of A-Z a-z 0-9 _ . -", self.group)
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1", self.num_layers)
         _require(self.matmul_precision in ("highest", "high", "medium"), "drafter.matmul_precision",
                  "must be highest, high or medium", self.matmul_precision)
@@ -256,8 +267,6 @@ class DrafterConfig:
         _require(self.checkpoint_every_steps >= 1, "drafter.checkpoint_every_steps", "must be >= 1", self.checkpoint_every_steps)
         _require(self.keep_checkpoints >= 1, "drafter.keep_checkpoints", "must be >= 1", self.keep_checkpoints)
         _require(self.stop_timeout_s > 0, "drafter.stop_timeout_s", "must be > 0", self.stop_timeout_s)
-        if not self.group:
-            self.group = self.id
 
     def _check_attention_layers(self) -> None:
         kinds = ("full_attention", "sliding_attention")
@@ -296,12 +305,41 @@ class Config:
             stop = getattr(self, section).stop_timeout_s
             _require(stop >= self.transport.timeout_s + 10, f"{section}.stop_timeout_s",
                      f"must be at least transport.timeout_s + 10 = {self.transport.timeout_s + 10:g}", stop)
+        addresses = self.control.replica_addresses
+        _require(not addresses or len(addresses) == self.target.replicas, "control.replica_addresses",
+                 f"must be empty or name target.replicas = {self.target.replicas} addresses", addresses)
+
+    # ---- replicas and ranks (docs/architecture.md, "Scale-out")
+    def replica_address(self, replica: int) -> str:
+        """The control address of target replica ``replica``."""
+        if self.control.replica_addresses:
+            return self.control.replica_addresses[replica]
+        return _with_port_offset(self.control.address, replica * self.control.replica_port_step)
+
+    def for_replica(self, replica: int) -> "Config":
+        """This config as target replica ``replica`` sees it: its address, store port and device."""
+        target = dataclasses.replace(self.target, replica=replica,
+                                     device=self.target.devices[replica] if self.target.devices else self.target.device)
+        control = dataclasses.replace(self.control, address=self.replica_address(replica),
+                                      store_port=self.control.store_port + replica * self.control.replica_port_step)
+        return dataclasses.replace(self, target=target, control=control)
+
+    def for_local_rank(self, local_rank: int) -> "Config":
+        """This config as the drafter rank with LOCAL_RANK ``local_rank`` sees it: its device."""
+        d = self.drafter
+        if d.devices:
+            if local_rank >= len(d.devices):
+                raise ConfigError(f"drafter.devices names {len(d.devices)} devices, LOCAL_RANK is {local_rank}")
+            device = d.devices[local_rank]
+        else:
+            device = f"cuda:{local_rank}" if d.device == "cuda" else d.device
+        return dataclasses.replace(self, drafter=dataclasses.replace(d, device=device))
 
     def shared_hash(self) -> str:
         """Hash of what target and drafters must agree on (data, captured layers, dtype)."""
         shared = {
             "data": {k: v for k, v in dataclasses.asdict(self.data).items() if k not in DataConfig.LOCAL_KEYS},
-            "target": {k: getattr(self.target, k) for k in ("model", "dtype", "num_captured_layers", "target_layer_ids", "mask_token_id")},
+            "target": {k: getattr(self.target, k) for k in ("model", "dtype", "num_captured_layers", "target_layer_ids", "mask_token_id", "replicas")},
         }
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -463,6 +501,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"unknown config section [{name}] (known: {', '.join(sections)}, drafters)")
         kwargs[name] = _build_section(name, typing.get_type_hints(Config)[name], value)
     return Config(**kwargs)
+
+
+def _with_port_offset(address: str, offset: int) -> str:
+    """``tcp://host:port`` with ``offset`` added to the port (ipc:// paths get a suffix)."""
+    if offset == 0:
+        return address
+    if address.startswith("ipc://"):
+        return f"{address}.{offset}"
+    head, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) + offset < 65536:
+        raise ConfigError(f"control.address {address!r}: cannot derive a replica's port from it; "
+                          "set control.replica_addresses")
+    return f"{head}:{int(port) + offset}"
 
 
 def drafter_ids_in(path: str | Path) -> list[str]:

@@ -12,7 +12,7 @@ A record has a ``source`` (``TARGET_SOURCE``, ``DRAFTER_SOURCE(id)``) and
 records ``dflash-eval --watch`` pushes as the drafter, ``Eval``; ``Target``. In
 metrics.jsonl and the target's W&B run a series is ``f"{source}/{key}"``
 (``drafter/d0/loss``); a drafter's own W&B run uses the key alone. The sidecar's
-own series (``Pipeline``, ``Sidecar``) are full names already.
+own series (``Pipeline``, ``Ranks``, ``Sidecar``) are full names already.
 
 A name with a parameter is a :class:`Family`: ``Drafter.ACC_POS(3) ==
 "acc/pos_3"``, ``Drafter.ACC_POS.parse("acc/pos_3") == "3"``.
@@ -53,7 +53,20 @@ class Family:
 
 # ---------------------------------------------------------------- sources
 TARGET_SOURCE = "target"
+TARGET_REPLICA_SOURCE = Family("target/", "<r>")  # replica r of several (target.replicas > 1): "target/1"
 DRAFTER_SOURCE = Family("drafter/", "<id>", r"[^/]+")  # DRAFTER_SOURCE("d0") == "drafter/d0"
+# Rank k of a drafter trained by several ranks (torchrun): "rank/d0.1"; the sidecar composes
+# the drafter's own series from its ranks.
+RANK_SOURCE = Family("rank/", "<id>.<k>", r"[^/]+\.\d+")
+
+
+def target_source(replica: int, replicas: int) -> str:
+    return TARGET_SOURCE if replicas == 1 else TARGET_REPLICA_SOURCE(replica)
+
+
+def drafter_source(drafter_id: str, rank: int, world_size: int) -> str:
+    return DRAFTER_SOURCE(drafter_id) if world_size == 1 else RANK_SOURCE(f"{drafter_id}.{rank}")
+
 # Written by the sidecar itself; a producer may not claim them (common/metrics_client.py).
 PIPELINE_SOURCE = "pipeline"
 SIDECAR_SOURCE = "sidecar"
@@ -121,7 +134,7 @@ class Target:
 
 
 class Pipeline:
-    """Full names of the sidecar's aggregates across drafters."""
+    """Full names of the sidecar's aggregates across drafters (and across target replicas)."""
 
     NUM_DRAFTERS = "pipeline/num_drafters"
     LOSS_MEAN = "pipeline/loss_mean"
@@ -130,6 +143,21 @@ class Pipeline:
     STEP_SKEW = "pipeline/step_skew"
     SLOWEST_DRAFTER_STEP = "pipeline/slowest_drafter_step"
     DRAFTER_TOKENS_PER_S = "pipeline/drafter_tokens_per_s"
+    # Across the live target sources (TARGET_SOURCE, or TARGET_REPLICA_SOURCE(r) per replica): sums.
+    NUM_TARGETS = "pipeline/num_targets"
+    TARGET_TOKENS_PER_S = "pipeline/target_tokens_per_s"
+    TARGET_BATCHES_PER_S = "pipeline/target_batches_per_s"
+    TARGET_QUEUE_DEPTH = "pipeline/target_queue_depth"
+    TARGET_SEND_GBPS = "pipeline/target_send_gbps"
+    # TARGET_TOKENS_PER_S / DRAFTER_TOKENS_PER_S: > 1 the drafters are the bottleneck, < 1 the targets' supply.
+    SUPPLY_RATIO = "pipeline/supply_ratio"
+
+
+class Ranks:
+    """Full names of the sidecar's series about a drafter trained by several ranks (sources
+    ``RANK_SOURCE("<id>.<k>")``); a one-process drafter has none."""
+
+    SKEW = Family("pipeline/rank_skew/", "<id>", r"[^/]+")  # max - min step over the drafter's live ranks
 
 
 class Sidecar:
@@ -148,7 +176,7 @@ class Sidecar:
     WANDB_RUNS = "sidecar/wandb_runs"
 
 
-GROUPS = (Drafter, Eval, Target, Pipeline, Sidecar)
+GROUPS = (Drafter, Eval, Target, Pipeline, Sidecar, Ranks)
 
 
 def members(group: type) -> tuple[str | Family, ...]:

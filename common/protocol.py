@@ -20,11 +20,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: WELCOME.block_size gone, WELCOME.target_arch and STATUS.drafters typed
+PROTOCOL_VERSION = 3  # 2: WELCOME.block_size gone, typed payloads; 3: target replicas, ranks and generations
 TOKEN_RANKING_MAX = 32768  # ids in WELCOME.token_ranking (about 100 KB of msgpack)
 
 # Value bounds, checked by decode() before a message reaches any state.
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # drafter ids and groups (also file names)
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # drafter ids (also file names)
+MAX_RANKS = 4096  # ranks of one drafter (torchrun world size)
+MAX_REPLICAS = 1024  # target replicas of one job
 MAX_INT = 1 << 53  # counters, steps, plan indices: far beyond any run, exact in every JSON reader
 MAX_PID = (1 << 22)  # Linux pid_max ceiling
 MAX_CREDITS = 64  # batches one registration may hold at once
@@ -50,6 +52,7 @@ E_TOO_LARGE = "too_large"
 E_BUSY = "busy"
 E_RANGE = "out_of_range"
 E_AUTH = "not_authorized"
+E_STALE = "stale_generation"
 
 
 class ProtocolError(ValueError):
@@ -91,7 +94,8 @@ class DrafterStatus(Payload):
     """STATUS.drafters: one registration as the target sees it."""
 
     id: str
-    group: str
+    rank: int
+    generation: int
     epoch: int
     pid: int
     step: int
@@ -125,15 +129,27 @@ class Hello(Message):
 
     TYPE: ClassVar[str] = "HELLO"
     drafter_id: str
-    group: str
     config_hash: str
     transport: str
     pid: int
-    # Plan indices this drafter's checkpoint already covers: all below
-    # ``covered_watermark`` plus ``covered_extra``.
+    # This process is rank ``rank`` of the ``world_size`` ranks training drafter ``drafter_id``
+    # (1 without torchrun); ``generation`` grows with every (re)start of the drafter (all ranks
+    # of one start share it): a newer one resets what the target served the drafter to its coverage.
+    rank: int
+    world_size: int
+    generation: int
+    # The target replica the drafter meant to reach, and the topology (plan x replica count) its
+    # coverage refers to ("" before its first WELCOME): a target that disagrees refuses.
+    replica: int
+    topology_id: str
+    # This replica's local indices (common.plan_shard) the drafter's checkpoint already covers:
+    # all below ``covered_watermark`` plus ``covered_extra``.
     covered_watermark: int = 0
     covered_extra: list[int] = field(default_factory=list)
     step: int = 0
+    # Whether the target should send the frozen embedding and LM head: a rank takes them
+    # from the first replica it registers with, not from every one.
+    need_weights: bool = True
     # Proof that the sender holds the run's control key (common.auth): only the owner
     # of a drafter id can register it, so a stranger cannot take over a live drafter.
     auth: str = optional("")
@@ -142,9 +158,12 @@ class Hello(Message):
     gpu_uuid: str = optional("")
 
     def check_values(self) -> None:
-        for name in ("drafter_id", "group"):
-            _require(NAME.fullmatch(getattr(self, name)) is not None, f"HELLO.{name} must match {NAME.pattern}")
-        for name in ("config_hash", "transport", "auth", "gpu_uuid"):
+        _require(NAME.fullmatch(self.drafter_id) is not None, f"HELLO.drafter_id must match {NAME.pattern}")
+        _require(0 < self.world_size <= MAX_RANKS and 0 <= self.rank < self.world_size,
+                 f"HELLO needs 0 <= rank < world_size <= {MAX_RANKS}")
+        _require(0 <= self.generation < MAX_INT, "HELLO.generation must be >= 0")
+        _require(0 <= self.replica < MAX_REPLICAS, f"HELLO.replica must be in [0, {MAX_REPLICAS})")
+        for name in ("config_hash", "transport", "auth", "gpu_uuid", "topology_id"):
             _require(len(getattr(self, name)) <= MAX_TEXT, f"HELLO.{name} is longer than {MAX_TEXT}")
         _require(0 < self.pid < MAX_PID, f"HELLO.pid must be in (0, {MAX_PID})")
         _require(0 <= self.step < MAX_INT, "HELLO.step must be >= 0")
@@ -198,9 +217,19 @@ class Welcome(Message):
     data_fingerprint: str = optional("")
     # The target's GPU when it uses nccl (as HELLO.gpu_uuid): a drafter on the same GPU refuses.
     gpu_uuid: str = optional("")
+    # This target is replica ``replica`` of ``replicas`` (common.plan_shard): it serves the plan
+    # indices i with i mod replicas == replica. ``plan_fingerprint`` names the plan (data and how
+    # it is cut into batches), ``topology_id`` the plan and the replica count.
+    replica: int = 0
+    replicas: int = 1
+    plan_fingerprint: str = ""
+    topology_id: str = ""
 
     def check_values(self) -> None:
-        _require(len(self.gpu_uuid) <= MAX_TEXT, f"WELCOME.gpu_uuid is longer than {MAX_TEXT}")
+        for name in ("gpu_uuid", "plan_fingerprint", "topology_id"):
+            _require(len(getattr(self, name)) <= MAX_TEXT, f"WELCOME.{name} is longer than {MAX_TEXT}")
+        _require(0 < self.replicas <= MAX_REPLICAS and 0 <= self.replica < self.replicas,
+                 f"WELCOME needs 0 <= replica < replicas <= {MAX_REPLICAS}")
 
 
 @dataclass

@@ -124,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with Job(args.config, run_dir, overrides=args.overrides) as job:
         log_dir = job.log_dir
         try:
-            job.start_metrics()
-            job.start_target()
-            for drafter_id in drafter_ids:
-                job.start_drafter(drafter_id)
+            job.start_all(drafter_ids)
             print(f"demo: started sidecar, target and drafters {', '.join(drafter_ids)}; logs in {log_dir}")
             budget = cfg.drafter.max_steps
             last_print = 0.0

@@ -168,6 +168,21 @@ class Job:
     def start_drafter(self, drafter_id: str, *args: str) -> subprocess.Popen:
         return self.start(drafter_id, "drafter_worker", "--id", drafter_id, *args, log_name=f"drafter-{drafter_id}")
 
+    def start_all(self, drafter_ids: Iterable[str], *, eval_watch_args: Sequence[str] | None = None) -> None:
+        """The whole job: the metrics sidecar, the target, then each drafter (``start_drafter``).
+
+        The sidecar comes first so it hears everyone's first records, and the
+        target before the drafters that register with it. With
+        ``eval_watch_args`` each drafter is followed by its ``dflash-eval --watch``
+        process (``start_eval_watch(drafter_id, *eval_watch_args)``).
+        """
+        self.start_metrics()
+        self.start_target()
+        for drafter_id in drafter_ids:
+            self.start_drafter(drafter_id)
+            if eval_watch_args is not None:
+                self.start_eval_watch(drafter_id, *eval_watch_args)
+
     def start_eval_watch(self, drafter_id: str, *args: str) -> subprocess.Popen:
         """``dflash-eval --watch`` of one drafter over this run directory, as ``eval-<id>``."""
         argv = [sys.executable, "-m", "tools.eval", str(self.run_dir), "--watch", "--drafter", drafter_id, *args]

@@ -106,13 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     with Job(args.config, run_dir, overrides=args.overrides) as job:
         log_dir = job.log_dir
         try:
-            job.start_metrics()
-            job.start_target()
-            for drafter_id in drafter_ids:
-                job.start_drafter(drafter_id)
-                if not args.no_watch:
-                    job.start_eval_watch(drafter_id, "--every-s", str(args.eval_every_s), "--num-prompts", "4",
-                                         "--max-new-tokens", "32", "--threads", "1")
+            job.start_all(drafter_ids, eval_watch_args=None if args.no_watch else [
+                "--every-s", str(args.eval_every_s), "--num-prompts", "4", "--max-new-tokens", "32", "--threads", "1"])
             print(f"quality: started sidecar, target, drafters {', '.join(drafter_ids)} and their eval watchers; "
                   f"logs in {log_dir}")
             last_print = 0.0

@@ -1,4 +1,8 @@
-"""``dflash-drafter --config FILE --id d1 [--set KEY=VALUE ...]`` (also ``python -m drafter_worker``)."""
+"""``dflash-drafter --config FILE --id d1 [--set KEY=VALUE ...]`` (also ``python -m drafter_worker``).
+
+Under torchrun every process is one rank of the drafter:
+``torchrun --nproc-per-node W --max-restarts K -m drafter_worker --config FILE --group g0``.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +20,17 @@ logger = logging.getLogger("drafter_worker")
 
 PROG = "dflash-drafter"
 DESCRIPTION = """\
-Train one DFlash drafter on the hidden states a live target (dflash-target) streams.
+Train one DFlash drafter on the hidden states live targets (dflash-target) stream.
 
-Registers with the target at control.address (waiting for it if it is not up
-yet), receives batches over the data plane, trains, checkpoints into
-run.root_dir/run.name/checkpoints/<id>/ and pushes metrics to the sidecar
-(dflash-metrics). Restarted with the same command it resumes from its last
-checkpoint. Settings come from [drafter], then [drafters.<id>], then --set.
+Registers with every target replica (control.address, or control.replica_addresses;
+waiting for those not up yet), receives batches over the data plane, trains,
+checkpoints into run.root_dir/run.name/checkpoints/<id>/ and pushes metrics to
+the sidecar (dflash-metrics). Restarted with the same command it resumes from
+its last checkpoint. Settings come from [drafter], then [drafters.<id>], then --set.
+
+Under torchrun (--nproc-per-node W) the W processes are the ranks of one drafter:
+each receives its own batches, DDP averages the gradients, rank 0 writes the
+checkpoint; a restart (torchrun --max-restarts) resumes all ranks from it.
 """
 EPILOG = """\
 exit status: 0 done or stopped (SIGTERM/SIGINT: checkpoint first), 2 bad config
@@ -34,21 +42,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_config_args(parser, set_example="drafter.learning_rate=3e-4")
-    parser.add_argument("--id", help="drafter id (same as --set drafter.id=ID); picks up [drafters.ID] from the config")
+    parser.add_argument("--id", "--group", dest="id",
+                        help="drafter id (same as --set drafter.id=ID); picks up [drafters.ID] from the config. "
+                             "Under torchrun every rank trains this one drafter (the group)")
     args = parser.parse_args(argv)
     overrides = cli.config_overrides(args, flags=[cli.override("drafter.id", args.id)] if args.id else [])
     cfg = cli.load_job_config(PROG, args.config, overrides)
     if cfg is None:
         return 2
+    from drafter_worker.rank_group import RunIdentity
+
+    identity = RunIdentity.from_env()
+    try:
+        cfg = cfg.for_local_rank(identity.local_rank)  # its device
+    except ValueError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     if args.print_config:
         return cli.print_config(cfg, PROG, args.config, overrides, 
                                 note=f"[drafter] is drafter {cfg.drafter.id}'s: [drafter] with [drafters.{cfg.drafter.id}] "
                                      "and the overrides applied")
-    setup_logging(f"drafter-{cfg.drafter.id}", cfg.run.path / "logs")
+    name = f"drafter-{cfg.drafter.id}" if identity.world_size == 1 else f"drafter-{cfg.drafter.id}.{identity.rank}"
+    setup_logging(name, cfg.run.path / "logs")
 
     from drafter_worker.worker import DrafterWorker, FatalError, TrainingStopped
 
-    worker = DrafterWorker(cfg)
+    worker = DrafterWorker(cfg, identity)
     install_stop_handlers(worker.stop_event, cfg.drafter.stop_timeout_s, f"drafter {cfg.drafter.id}")
     try:
         outcome = worker.run()

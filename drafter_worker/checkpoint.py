@@ -11,8 +11,13 @@ or a power cut leaves either the old or the new checkpoint. A ``latest`` that
 cannot be used falls back to the newest readable ``step-N``; the writer removes
 temporaries a killed save left behind.
 
-The ledger (``ledger/<drafter>.jsonl``) records, for every durable step, which
-batch and sample ids it trained. Every process start appends a ``resume`` line
+A drafter trained by several ranks (torchrun) has one checkpoint, written by
+rank 0 after every rank made its ledger lines durable; it carries the
+drafter's coverage of every target replica and each rank's RNG states.
+
+The ledger (``ledger/<drafter>.jsonl``, one per rank ``ledger/<drafter>.rank<k>.jsonl``
+when there are several) records, for every durable step, which
+batch and sample ids it trained (or that the rank took a zero-gradient step). Every process start appends a ``resume`` line
 naming the checkpoint step it resumed from, which discards later steps of the
 dead lineage, so the lineage of the final checkpoint can be read from the file.
 Lines are appended with one ``write`` each on an ``O_APPEND`` descriptor and
@@ -35,8 +40,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from drafter_worker.model.dflash_model import DFlashDrafter, load_drafter, save_drafter
 from common.durable_io import cut_torn_tail, fsync_path, replace_durably, write_all, write_durably
+from common.plan_shard import Shard
+from drafter_worker.model.dflash_model import DFlashDrafter, load_drafter, save_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +114,9 @@ class Coverage:
     watermark: int = 0
     extra: set[int] = field(default_factory=set)
 
+    def __contains__(self, index: int) -> bool:
+        return index < self.watermark or index in self.extra
+
     def add(self, index: int) -> None:
         if index < self.watermark or index in self.extra:
             raise ValueError(f"batch {index} trained twice")
@@ -127,9 +136,8 @@ class Coverage:
 @dataclass
 class TrainerState:
     step: int
-    coverage: Coverage
+    coverage: list[Coverage]  # one per target replica, in its local indices (common.plan_shard)
     drafter_id: str
-    group: str
     model_id: str
     tokens_trained: int = 0
     # The data the checkpoint was trained on (WELCOME): size of the training split, its
@@ -139,13 +147,17 @@ class TrainerState:
     batches_per_epoch: int = 0
     # The drafter directory training started from (drafter.init_from); empty for a random start.
     init_from: str = ""
+    # The plan x replica split the coverage refers to (WELCOME.topology_id; empty before the first batch).
+    topology_id: str = ""
+    world_size: int = 1  # ranks that trained the drafter (the RNG states in trainer.pt are per rank)
 
     def to_json(self) -> dict:
         data = {
-            "step": self.step, "coverage": self.coverage.to_json(), "drafter_id": self.drafter_id,
-            "group": self.group, "model_id": self.model_id, "tokens_trained": self.tokens_trained,
+            "step": self.step, "coverage": [c.to_json() for c in self.coverage], "drafter_id": self.drafter_id,
+            "model_id": self.model_id, "tokens_trained": self.tokens_trained,
             "train_samples": self.train_samples, "data_fingerprint": self.data_fingerprint,
-            "batches_per_epoch": self.batches_per_epoch,
+            "batches_per_epoch": self.batches_per_epoch, "topology_id": self.topology_id,
+            "world_size": self.world_size,
         }
         if self.init_from:
             data["init_from"] = self.init_from
@@ -153,12 +165,26 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: dict) -> "TrainerState":
+        coverage = data["coverage"]
+        # A checkpoint from before target replicas holds one coverage map.
+        coverage = [Coverage.from_json(c) for c in coverage] if isinstance(coverage, list) else [Coverage.from_json(coverage)]
         return cls(
-            step=int(data["step"]), coverage=Coverage.from_json(data["coverage"]), drafter_id=data["drafter_id"],
-            group=data["group"], model_id=data["model_id"], tokens_trained=int(data.get("tokens_trained", 0)),
+            step=int(data["step"]), coverage=coverage, drafter_id=data["drafter_id"],
+            model_id=data["model_id"], tokens_trained=int(data.get("tokens_trained", 0)),
             train_samples=int(data.get("train_samples", 0)), data_fingerprint=data.get("data_fingerprint", ""),
             batches_per_epoch=int(data.get("batches_per_epoch", 0)), init_from=data.get("init_from", ""),
+            topology_id=data.get("topology_id", ""), world_size=int(data.get("world_size", 1)),
         )
+
+    def trained(self, replica: int, batch_id: int) -> bool:
+        """Whether the drafter has trained plan index ``batch_id`` of ``replica``."""
+        return batch_id // len(self.coverage) in self.coverage[replica]
+
+    def claimed(self) -> dict[int, set[int]]:
+        """replica -> the plan indices the coverage counts as trained."""
+        replicas = len(self.coverage)
+        return {r: {Shard(r, replicas).plan_index(j) for j in (*range(c.watermark), *c.extra)}
+                for r, c in enumerate(self.coverage)}
 
 
 def _why_unreadable(path: Path) -> str:
@@ -277,6 +303,7 @@ class CheckpointStore:
         model: DFlashDrafter,
         optimizer: torch.optim.Optimizer,
         generator: torch.Generator,
+        rank_rng: list[torch.Tensor] | None = None,
     ) -> Path:
         """Write step ``state.step`` durably and point ``latest`` at it.
 
@@ -288,7 +315,7 @@ class CheckpointStore:
         tmp = self.root / f".tmp-{name}-{os.getpid()}"
         try:
             self._make_root()
-            self._write_tmp(tmp, state, model, optimizer, generator)
+            self._write_tmp(tmp, state, model, optimizer, generator, rank_rng)
             final = self._rename_into_place(tmp, name)
             self._point_latest(name)
         except OSError:
@@ -305,16 +332,16 @@ class CheckpointStore:
         fsync_path(self.root.parent)
         fsync_path(self.root.parent.parent)
 
-    def _write_tmp(self, tmp: Path, state: TrainerState, model: DFlashDrafter,
-                   optimizer: torch.optim.Optimizer, generator: torch.Generator) -> None:
+    def _write_tmp(self, tmp: Path, state: TrainerState, model: DFlashDrafter, optimizer: torch.optim.Optimizer,
+                   generator: torch.Generator, rank_rng: list[torch.Tensor] | None) -> None:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
         _save_weights(tmp, model)
-        _torch_save(
-            {"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state()},
-            tmp / "trainer.pt",
-        )
+        blob = {"optimizer": optimizer.state_dict(), "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+        if rank_rng is not None:
+            blob["rank_rng"] = list(rank_rng)  # rank k's pack_rng(), for a resume with the same world size
+        _torch_save(blob, tmp / "trainer.pt")
         write_durably(tmp / "trainer_state.json",
                        json.dumps({**state.to_json(), "saved_at": time.time()}, indent=1).encode())
         for name in CHECKPOINT_FILES[:-1]:  # trainer_state.json is fsynced already
@@ -349,21 +376,43 @@ class CheckpointStore:
             _discard(doomed)
 
     def load(
-        self, path: Path, device: torch.device, optimizer_factory
-    ) -> tuple[DFlashDrafter, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+        self, path: Path, device: torch.device, optimizer_factory, rank: int = 0, world_size: int = 1,
+    ) -> tuple[DFlashDrafter, torch.optim.Optimizer, torch.Tensor | None, torch.Tensor | None]:
+        """Model, optimizer and rank ``rank``'s (generator, torch) RNG states (None when the checkpoint was
+        written by another number of ranks, which the worker refuses to resume)."""
         model = load_drafter(path, device=device)
         model.float()
         optimizer = optimizer_factory(model)
-        blob = torch.load(path / "trainer.pt", map_location=device, weights_only=True)
+        blob = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
         optimizer.load_state_dict(blob["optimizer"])
+        ranks = blob.get("rank_rng")
+        if ranks is not None:
+            if len(ranks) != world_size:
+                return model, optimizer, None, None
+            return (model, optimizer, *unpack_rng(ranks[rank], blob["generator"].numel()))
+        if world_size != 1:
+            return model, optimizer, None, None
         return model, optimizer, blob["generator"], blob["torch_rng"]
+
+
+def pack_rng(generator: torch.Generator) -> torch.Tensor:
+    """A rank's RNG states as one uint8 tensor (the anchor generator's, then torch's CPU one)."""
+    return torch.cat([generator.get_state().cpu(), torch.get_rng_state()])
+
+
+def unpack_rng(packed: torch.Tensor, generator_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return packed[:generator_bytes].clone(), packed[generator_bytes:].clone()
+
+
+def ledger_name(drafter_id: str, rank: int, world_size: int) -> str:
+    return drafter_id if world_size == 1 else f"{drafter_id}.rank{rank}"
 
 
 class Ledger:
     """Append-only record of which samples each durable step trained."""
 
-    def __init__(self, run_dir: Path, drafter_id: str):
-        self.path = run_dir / "ledger" / f"{drafter_id}.jsonl"
+    def __init__(self, run_dir: Path, name: str):
+        self.path = run_dir / "ledger" / f"{name}.jsonl"  # ledger_name(): one file per rank
         self._pending: list[dict] = []
         if not self.path.parent.is_dir():
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,12 +457,20 @@ class Ledger:
     def resumed(self, from_step: int) -> None:
         self._append([{"kind": "resume", "from_step": from_step, "time": time.time()}])
 
-    def trained(self, step: int, batch_id: int, epoch: int, sample_ids: list[int], first_step: int | None = None) -> None:
+    def trained(self, step: int, batch_id: int, epoch: int, sample_ids: list[int], first_step: int | None = None,
+                rank: int | None = None) -> None:
         """Batch ``batch_id`` was trained by steps ``first_step..step`` (one step unless drafter.steps_per_batch > 1)."""
         entry = {"kind": "step", "step": step, "batch_id": batch_id, "epoch": epoch, "sample_ids": sample_ids}
         if first_step is not None and first_step != step:
             entry["first_step"] = first_step
+        if rank is not None:
+            entry["rank"] = rank
         self._pending.append(entry)
+
+    def idle(self, step: int, first_step: int) -> None:
+        """Steps ``first_step..step`` took a zero-gradient step on this rank (its stream ended first, or its
+        batch was one the drafter had); the other ranks' ledgers hold what they trained."""
+        self._pending.append({"kind": "idle", "step": step, "first_step": first_step})
 
     def make_durable(self) -> None:
         """Write and fsync the pending steps; call right before the checkpoint that covers them is renamed into place.
@@ -452,32 +509,19 @@ def read_lineage(ledger_path: Path, final_step: int) -> dict[int, dict]:
 
 @dataclass
 class LineageReport:
-    """What the ledgers say about the final checkpoints of one drafter, or of a group whose members split one stream."""
+    """What the ledgers of a drafter's ranks say about its final checkpoint."""
 
-    drafter_id: str  # the members, joined with "+"
-    final_steps: dict[str, int]
+    drafter_id: str
+    final_step: int
+    world_size: int
     batches: int
     samples_per_epoch: dict[int, int]
     problems: list[str]
     finished_epochs: list[int] = field(default_factory=list)  # epochs checked for completeness
 
     @property
-    def final_step(self) -> int:
-        """Steps of the final checkpoints, summed over the members."""
-        return sum(self.final_steps.values())
-
-    @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _final_lineage(run_dir: Path, drafter_id: str) -> tuple[TrainerState, dict[int, dict]] | None:
-    store = CheckpointStore(run_dir, drafter_id, keep=1)
-    latest = store.latest()
-    if latest is None:
-        return None
-    state = store.read_state(latest)
-    return state, read_lineage(run_dir / "ledger" / f"{drafter_id}.jsonl", state.step)
 
 
 def _missing_steps(lineage: dict[int, dict], final_step: int) -> list[int]:
@@ -486,7 +530,7 @@ def _missing_steps(lineage: dict[int, dict], final_step: int) -> list[int]:
 
 
 def _batch_problems(entries: list[dict], claimed: set[int]) -> list[str]:
-    """Every batch the checkpoints count as trained (and tell the target so) is in a ledger once, and no other."""
+    """Every batch the checkpoint counts as trained (and told the targets so) is in a ledger once, and no other."""
     counts = Counter(e["batch_id"] for e in entries)
     problems = []
     twice = sorted(b for b, n in counts.items() if n > 1)
@@ -494,23 +538,33 @@ def _batch_problems(entries: list[dict], claimed: set[int]) -> list[str]:
         problems.append(f"batches trained twice: {twice[:10]}")
     lost = sorted(claimed - counts.keys())
     if lost:
-        problems.append(f"{len(lost)} batches the checkpoints count as trained are in no ledger (lost): {lost[:10]}")
+        problems.append(f"{len(lost)} batches the checkpoint counts as trained are in no ledger (lost): {lost[:10]}")
     unclaimed = sorted(counts.keys() - claimed)
     if unclaimed:
-        problems.append(f"{len(unclaimed)} ledger batches the checkpoints do not count as trained: {unclaimed[:10]}")
+        problems.append(f"{len(unclaimed)} ledger batches the checkpoint does not count as trained: {unclaimed[:10]}")
     return problems
 
 
-def _finished_epochs(entries: list[dict], claimed: set[int], batches_per_epoch: int) -> list[int]:
-    """Epochs the group has trained past: their last batch in plan order, or a later one, counts as trained.
+def _finished_epochs(claimed_by_replica: dict[int, set[int]], entries: list[dict], batches_per_epoch: int) -> list[int]:
+    """Epochs the drafter has trained past: every replica trained its last batch of the epoch, or a later one.
 
-    The target serves a group's batches in plan order (a batch to redo before any new
-    one), so a finished epoch with a batch missing has lost it.
+    A replica serves its batches in plan order (a batch to redo before any new one),
+    so a finished epoch with a batch missing has lost it.
     """
-    if batches_per_epoch:
-        return list(range((max(claimed, default=-1) + 1) // batches_per_epoch))
-    # Checkpoints that predate batches_per_epoch: an epoch is finished once a later one began.
-    return list(range(max((e["epoch"] for e in entries), default=0)))
+    if not batches_per_epoch:
+        # Checkpoints that predate batches_per_epoch: an epoch is finished once a later one began.
+        return list(range(max((e["epoch"] for e in entries), default=0)))
+    replicas = len(claimed_by_replica)
+    tops = {r: max(c, default=-1) for r, c in claimed_by_replica.items()}
+    finished = []
+    epoch = 0
+    while True:
+        end = (epoch + 1) * batches_per_epoch  # first index of the next epoch
+        lasts = {r: end - 1 - ((end - 1 - r) % replicas) for r in tops}  # each replica's last index below end
+        if not all(top >= lasts[r] for r, top in tops.items() if lasts[r] >= epoch * batches_per_epoch):
+            return finished
+        finished.append(epoch)
+        epoch += 1
 
 
 def _sample_problems(per_epoch: dict[int, list[int]], finished: list[int], train_samples: int) -> list[str]:
@@ -526,47 +580,34 @@ def _sample_problems(per_epoch: dict[int, list[int]], finished: list[int], train
     return problems
 
 
-def verify_group(run_dir: Path, drafter_ids: list[str]) -> LineageReport:
-    """Check from files that the final checkpoints of drafters splitting one sample stream trained every durable
-    step, every batch they count once, and every sample of every finished epoch exactly once (over their union)."""
+def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
+    """Check from files that the drafter's final checkpoint trained every durable step on every rank, every
+    batch it counts exactly once (over all ranks), and every sample of every finished epoch exactly once."""
+    latest = CheckpointStore(run_dir, drafter_id, keep=1).latest()
+    if latest is None:
+        return LineageReport(drafter_id, 0, 0, 0, {}, [f"{drafter_id}: no checkpoint"])
+    state = CheckpointStore(run_dir, drafter_id, keep=1).read_state(latest)
     problems: list[str] = []
-    final_steps: dict[str, int] = {}
     entries: list[dict] = []
-    claimed: set[int] = set()
-    data: set[tuple[int, int]] = set()
-    for drafter_id in drafter_ids:
-        found = _final_lineage(run_dir, drafter_id)
-        if found is None:
-            problems.append(f"{drafter_id}: no checkpoint")
+    for rank in range(state.world_size):
+        name = ledger_name(drafter_id, rank, state.world_size)
+        path = run_dir / "ledger" / f"{name}.jsonl"
+        if not path.exists():
+            problems.append(f"{name}: no ledger at {path}")
             continue
-        state, lineage = found
-        final_steps[drafter_id] = state.step
+        lineage = read_lineage(path, state.step)
         missing = _missing_steps(lineage, state.step)
         if missing:
-            problems.append(f"{drafter_id}: durable steps missing from the ledger: {missing[:10]}")
-        entries += lineage.values()
-        claimed |= set(range(state.coverage.watermark)) | state.coverage.extra
-        if state.train_samples:
-            data.add((state.train_samples, state.batches_per_epoch))
-    problems += _batch_problems(entries, claimed)
+            problems.append(f"{name}: durable steps missing from the ledger: {missing[:10]}")
+        entries += [e for e in lineage.values() if e["kind"] == "step"]
+    claimed_by_replica = state.claimed()
+    problems += _batch_problems(entries, set().union(*claimed_by_replica.values()))
     per_epoch: dict[int, list[int]] = {}
     for entry in entries:
         per_epoch.setdefault(entry["epoch"], []).extend(entry["sample_ids"])
     finished: list[int] = []
-    train_samples = 0  # checkpoints that predate it cannot be checked for completeness
-    if len(data) > 1:
-        problems.append(f"the members' checkpoints disagree on the data (train_samples, batches_per_epoch): "
-                        f"{sorted(data)}")
-    elif data:
-        train_samples, batches_per_epoch = data.pop()
-        finished = _finished_epochs(entries, claimed, batches_per_epoch)
-    problems += _sample_problems(per_epoch, finished, train_samples)
-    return LineageReport(
-        "+".join(drafter_ids), final_steps, len(entries), {e: len(s) for e, s in sorted(per_epoch.items())},
-        problems, finished,
-    )
-
-
-def verify_lineage(run_dir: Path, drafter_id: str) -> LineageReport:
-    """:func:`verify_group` for a drafter that is alone in its group."""
-    return verify_group(run_dir, [drafter_id])
+    if state.train_samples:  # checkpoints that predate it cannot be checked for completeness
+        finished = _finished_epochs(claimed_by_replica, entries, state.batches_per_epoch)
+    problems += _sample_problems(per_epoch, finished, state.train_samples)
+    return LineageReport(drafter_id, state.step, state.world_size, len(entries),
+                         {e: len(s) for e, s in sorted(per_epoch.items())}, problems, finished)

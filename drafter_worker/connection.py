@@ -29,7 +29,8 @@ class TargetUnavailable(RuntimeError):
 
 
 # ERROR codes of a HELLO that no retry can fix.
-_FATAL_CODES = (P.E_CONFIG, P.E_TRANSPORT, P.E_VERSION)
+# A stale generation: the drafter was restarted since this process started (it is a leftover).
+_FATAL_CODES = (P.E_CONFIG, P.E_TRANSPORT, P.E_VERSION, P.E_STALE)
 
 
 def handshake_reply(msg: P.Message | None) -> P.Welcome | None:
@@ -47,13 +48,13 @@ class Connection:
     """Steady state of one registration: credits, heartbeats, the target's liveness, DONE."""
 
     def __init__(self, *, credits: int, steps_per_batch: int, max_steps: int, heartbeat_interval_s: float,
-                 heartbeat_timeout_s: float, group: str, now: float) -> None:
+                 heartbeat_timeout_s: float, label: str, now: float) -> None:
         self.credits = credits
         self.steps_per_batch = steps_per_batch
         self.max_steps = max_steps
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.group = group
+        self.label = label  # which target, for the log
         self.inflight = 0  # BATCH announced, not yet trained
         self.granted = 0  # credits the target holds and has not used
         self.done = False
@@ -129,7 +130,7 @@ class Connection:
 
     def _on_done(self, msg: P.Done) -> None:
         self.done = True
-        logger.info("[done] target has served every batch to group %s", self.group)
+        logger.info("[done] %s has served every batch it owns", self.label)
 
     def _on_bye(self, msg: P.Bye) -> None:
         raise TargetUnavailable(f"target said BYE ({msg.reason})")

@@ -75,6 +75,9 @@ class DrafterTrainer:
     ):
         self.cfg = cfg
         self.model = model
+        # What the step calls: the model itself, or its DDP wrapper when several ranks train it
+        # (drafter_worker.rank_group); weights, optimizer and checkpoints stay ``model``'s.
+        self.forward_model: torch.nn.Module = model
         self.optimizer = optimizer
         self.generator = generator
         self.step = step
@@ -107,14 +110,19 @@ class DrafterTrainer:
         lengths: torch.Tensor,
         embed_weight: torch.Tensor,
         lm_head_weight: torch.Tensor,
+        contribute: bool = True,
     ) -> float:
-        """One optimizer step on one batch; returns the learning rate used (a host value)."""
+        """One optimizer step on one batch; returns the learning rate used (a host value).
+
+        ``contribute=False``: a zero-gradient step (this rank has no batch of its own this round, see
+        drafter_worker.rank_group); it runs the same forward and backward, so the gradient all-reduce of
+        the other ranks is matched, and records no metrics."""
         lr = learning_rate(self.cfg, self.step, self.plan_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
         out = dflash_block_loss(
-            self.model,
+            self.forward_model,
             features=features,
             input_ids=input_ids.long(),
             loss_mask=loss_mask,
@@ -126,7 +134,7 @@ class DrafterTrainer:
             loss_impl=self.cfg.loss_impl,
             generator=self.generator,
         )
-        out.loss.backward()
+        (out.loss if contribute else out.loss * 0.0).backward()
         # Returns the pre-clip norm as a device tensor; clipping itself is a device op.
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
         loss = out.loss.detach()
@@ -138,7 +146,7 @@ class DrafterTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite_streak = (self.nonfinite_streak + 1.0) * (~finite)
         self.step += 1
-        if self.collect_metrics:
+        if self.collect_metrics and contribute:
             self.record_step(loss, out.correct_per_pos, out.count_per_pos, out.num_tokens, norm, finite)
         return lr
 

@@ -1,5 +1,8 @@
 """The local metrics log: one JSON line per valid record in runs/<name>/metrics.jsonl.
 
+Plus, for a drafter trained by several ranks, one line per record the sidecar
+composed from its ranks' (source `drafter/<id>`, marked `"composed": true`).
+
 Durability contract: lines are buffered for the open window, and `flush`
 appends them with one os.write on an O_APPEND descriptor, then fsyncs. A
 kill loses at most the open window and can tear only the file's last line;
@@ -51,17 +54,19 @@ class JsonlLog:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._pending: list[bytes] = []
 
-    def write(self, record: MetricsRecord, received_at: float | None = None) -> None:
-        line = json.dumps(
-            {
-                "source": record.source,
-                "step": record.step,
-                "time": record.time,
-                "values": record.values,
-                "received_at": time.time() if received_at is None else received_at,
-            },
-            separators=(",", ":"),
-        )
+    def write(self, record: MetricsRecord, received_at: float | None = None, *, composed: bool = False) -> None:
+        """Buffer one line; `composed`: a drafter record the sidecar made from its ranks' (marked
+        `"composed": true`; its `received_at` is when it was composed)."""
+        entry = {
+            "source": record.source,
+            "step": record.step,
+            "time": record.time,
+            "values": record.values,
+            "received_at": time.time() if received_at is None else received_at,
+        }
+        if composed:
+            entry["composed"] = True
+        line = json.dumps(entry, separators=(",", ":"))
         self._pending.append(line.encode("utf-8") + b"\n")
 
     def flush(self) -> None:

@@ -24,7 +24,7 @@ from common.durable_io import replace_durably
 from common.sockets import SecurityError, SocketFactory, check_bind
 from metrics_sidecar.aggregate import WindowAggregator
 from metrics_sidecar.jsonl_log import JsonlLog
-from metrics_sidecar.wandb_layout import resolve_wandb_settings
+from metrics_sidecar.wandb_layout import WandbSettings, resolve_wandb_settings
 from metrics_sidecar.wandb_uploader import WandbUploader, sync_command
 
 logger = logging.getLogger("metrics_sidecar")
@@ -78,12 +78,7 @@ class MetricsSidecar:
         context: zmq.Context | None = None,
         sockets: SocketFactory | None = None,
     ) -> None:
-        if window_s <= 0:
-            raise ValueError(f"window_s must be > 0, got {window_s}")
-        if max_records_per_window < 1:
-            raise ValueError(f"max_records_per_window must be >= 1, got {max_records_per_window}")
-        if not run_name:
-            raise ValueError("run_name must not be empty")
+        self._check_args(window_s, max_records_per_window, run_name)
         # Each W&B setting: the value given, else its WANDB_* variable, else the default.
         settings = resolve_wandb_settings(run_dir=run_dir, job_name=run_name, mode=wandb_mode, project=wandb_project,
                                           entity=wandb_entity, dir=wandb_dir, group=wandb_group)
@@ -94,7 +89,31 @@ class MetricsSidecar:
         self.max_records_per_window = max_records_per_window
         self.close_timeout_s = close_timeout_s
         self.stop_event = stop_event if stop_event is not None else threading.Event()
+        self._init_counters()
+        sock = self._open_socket(address, context, sockets)
+        self._uploader: WandbUploader | None = None
+        try:
+            self._open_outputs(settings, stale_after_s=stale_after_s, max_sources=max_sources,
+                               wandb_config=wandb_config, drafter_config=drafter_config,
+                               max_drafter_runs=max_drafter_runs, upload_queue_windows=upload_queue_windows,
+                               wandb_retries=wandb_retries)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._log_startup(settings)
 
+    @staticmethod
+    def _check_args(window_s: float, max_records_per_window: int, run_name: str) -> None:
+        """Refuse settings the receive loop cannot work with, before anything is bound or created."""
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if max_records_per_window < 1:
+            raise ValueError(f"max_records_per_window must be >= 1, got {max_records_per_window}")
+        if not run_name:
+            raise ValueError("run_name must not be empty")
+
+    def _init_counters(self) -> None:
+        """Zero the lifetime counters (logged as sidecar/*) and the current window's tallies."""
         # Counters (also logged as sidecar/*).
         self.records_received = 0  # every frame, valid or not
         self.records_malformed = 0
@@ -108,6 +127,8 @@ class MetricsSidecar:
         self._refused_in_window = 0
         self._dropped_in_window: dict[str, int] = {}
 
+    def _open_socket(self, address: str, context: zmq.Context | None, sockets: SocketFactory | None) -> zmq.Socket:
+        """Bind the PULL socket and register it for polling; the socket, for the caller to close on a later failure."""
         if sockets is None:
             sockets = SocketFactory(context if context is not None else zmq.Context.instance())
         self._sockets = sockets
@@ -115,32 +136,45 @@ class MetricsSidecar:
         self._sock: zmq.Socket | None = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        return sock
 
-        self._uploader: WandbUploader | None = None
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._aggregator = WindowAggregator(
-                stale_after_s=stale_after_s, max_sources=max_sources, first_window=self._load_next_window()
+    def _open_outputs(
+        self,
+        settings: WandbSettings,
+        *,
+        stale_after_s: float,
+        max_sources: int,
+        wandb_config: dict[str, Any] | None,
+        drafter_config: Callable[[str], dict[str, Any]] | None,
+        max_drafter_runs: int,
+        upload_queue_windows: int,
+        wandb_retries: int,
+    ) -> None:
+        """Create the run directory, the window aggregator (continuing the saved window count),
+        the W&B uploader unless W&B is disabled, and the JSONL log."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._aggregator = WindowAggregator(
+            stale_after_s=stale_after_s, max_sources=max_sources, first_window=self._load_next_window()
+        )
+        if settings.mode != "disabled":
+            self._uploader = WandbUploader(
+                run_dir=self.run_dir,
+                run_name=self.run_name,
+                mode=settings.mode,
+                project=settings.project,
+                entity=settings.entity,
+                group=settings.group,
+                wandb_dir=settings.dir,
+                config=wandb_config,
+                drafter_config=drafter_config,
+                max_drafter_runs=max_drafter_runs,
+                queue_size=upload_queue_windows,
+                retries=wandb_retries,
             )
-            if settings.mode != "disabled":
-                self._uploader = WandbUploader(
-                    run_dir=self.run_dir,
-                    run_name=run_name,
-                    mode=settings.mode,
-                    project=settings.project,
-                    entity=settings.entity,
-                    group=settings.group,
-                    wandb_dir=settings.dir,
-                    config=wandb_config,
-                    drafter_config=drafter_config,
-                    max_drafter_runs=max_drafter_runs,
-                    queue_size=upload_queue_windows,
-                    retries=wandb_retries,
-                )
-            self._jsonl = JsonlLog(self.run_dir / METRICS_FILE)
-        except BaseException:
-            sock.close(linger=0)
-            raise
+        self._jsonl = JsonlLog(self.run_dir / METRICS_FILE)
+
+    def _log_startup(self, settings: WandbSettings) -> None:
+        """One line saying where records come in and where they go (and how to upload an offline W&B run)."""
         if settings.mode == "disabled":
             where = ""
         else:
@@ -149,7 +183,7 @@ class MetricsSidecar:
                 where += f" (upload with: {sync_command(settings.dir)})"
         logger.info(
             "[startup] metrics sidecar listening on %s, run %s in %s, window %.1f s, W&B %s%s",
-            address, run_name, self.run_dir, window_s, settings.mode, where,
+            self.address, self.run_name, self.run_dir, self.window_s, settings.mode, where,
         )
 
     @staticmethod
@@ -285,7 +319,6 @@ class MetricsSidecar:
         self._end_window()
 
     def _end_window(self) -> None:
-        self._jsonl.flush()
         self._forget_silent_sources()
         if self._refused_in_window:
             logger.warning(
@@ -307,9 +340,13 @@ class MetricsSidecar:
             )
             self._dropped_in_window = {}
         if self._window_frames == 0:
+            self._jsonl.flush()
             return  # nothing new: no W&B call, no line
         self._window_frames = 0
         window = self._aggregator.close_window(self.stats())
+        for record in window.composed:  # a multi-rank drafter's own records, made from its ranks'
+            self._jsonl.write(record, composed=True)
+        self._jsonl.flush()
         # Claim the window number durably before W&B sees it: after a kill the
         # next sidecar never reuses it, so W&B steps stay disjoint across restarts.
         self._save_next_window(self._aggregator.next_index)

@@ -6,10 +6,14 @@ A job logs into one W&B group (`metrics.wandb_group`, default run.name) made of:
 - one run per drafter, `<job>/<id>`, job_type "drafter": the drafter's series
   under their own names (`loss`, `acc/pos_1`, `eval/tau`, `step`, ...) so the
   runs of a group compare key by key, with `step` (its optimizer step) as x
-  axis and `eval/step` (the evaluated checkpoint's step) for `eval/*`;
-- one run `<job>/target`, job_type "target": `target/*`, `pipeline/*`,
-  `sidecar/*` and every other source's series under `<source>/`, including
-  the drafters beyond `metrics.wandb_max_drafter_runs`.
+  axis and `eval/step` (the evaluated checkpoint's step) for `eval/*`; a
+  drafter trained by several ranks logs there its own series (composed by the
+  sidecar from its ranks') and each rank's `rank/<id>.<k>` series as
+  `rank/<k>/<key>`, on the axis `rank/<k>/step`;
+- one run `<job>/target`, job_type "target": `target/*` (or `target/<r>/*` per
+  target replica), `pipeline/*`, `sidecar/*` and every other source's series
+  under `<source>/`, including the drafters beyond
+  `metrics.wandb_max_drafter_runs` (and their ranks).
 Every run logs window N as W&B step N (`_step`): the window counter never
 goes back, across restarts too, so a resumed run only ever appends.
 
@@ -31,9 +35,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from common.durable_io import replace_durably
-from common.metric_names import DRAFTER_SOURCE, EVAL_PREFIX, STEP, TARGET_SOURCE, Eval
+from common.metric_names import DRAFTER_SOURCE, EVAL_PREFIX, RANK_SOURCE, STEP, TARGET_SOURCE, Eval
 from common.metrics_client import Number
 from metrics_sidecar.aggregate import Window
+from metrics_sidecar.ranks import rank_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +110,36 @@ def drafter_id_of(source: str) -> str | None:
     return DRAFTER_SOURCE.parse(source)
 
 
+def rank_key(rank: int, key: str) -> str:
+    """The name of a rank's series in its drafter's run: `rank/<k>/<key>`."""
+    return f"{RANK_SOURCE.prefix}{rank}/{key}"
+
+
+def parse_rank_key(key: str) -> tuple[int, str] | None:
+    """(rank, key) of a `rank/<k>/<key>` series of a drafter run, else None."""
+    if not key.startswith(RANK_SOURCE.prefix):
+        return None
+    rank, sep, rest = key[len(RANK_SOURCE.prefix):].partition("/")
+    return (int(rank), rest) if sep and rank.isdigit() and rest else None
+
+
+def run_of(source: str) -> tuple[str, int | None] | None:
+    """(run key, rank) of a source that belongs to a drafter's run: `drafter/<id>` itself (rank
+    None) and its ranks `rank/<id>.<k>`; None for every other source (the target run's)."""
+    if drafter_id_of(source) is not None:
+        return source, None
+    parsed = rank_of(source)
+    return None if parsed is None else (DRAFTER_SOURCE(parsed[0]), parsed[1])
+
+
 def drafter_step_metric(key: str) -> str | None:
-    """The x axis of a series in a drafter run: `step`, `eval/step` for eval/*, none for the axes."""
+    """The x axis of a series in a drafter run: `step`, `eval/step` for eval/*, `rank/<k>/step`
+    for a rank's series, none for the axes."""
     if key in (STEP, Eval.STEP):
         return None
+    ranked = parse_rank_key(key)
+    if ranked is not None:
+        return None if ranked[1] == STEP else rank_key(ranked[0], STEP)
     return Eval.STEP if key.startswith(EVAL_PREFIX) else STEP
 
 
@@ -139,13 +170,17 @@ class WindowRows:
 
 
 def split_window(window: Window, has_own_run: Callable[[str], bool]) -> WindowRows:
-    """Route each source of the window to its own run (if `has_own_run(source)`) or the target run."""
+    """Route each source of the window to its drafter's run (if `has_own_run(run key)`: a drafter's
+    series under their keys, its ranks' as `rank/<k>/<key>`) or to the target run."""
     rows: dict[str, dict[str, Number]] = {}
     job: dict[str, Number] = {}
     folded = []
     for source, values in window.sources.items():
-        if source != TARGET_RUN and has_own_run(source):
-            rows[source] = dict(values)
+        owner = run_of(source)
+        if owner is not None and has_own_run(owner[0]):
+            run_key, rank = owner
+            row = rows.setdefault(run_key, {})
+            row.update(values if rank is None else {rank_key(rank, key): value for key, value in values.items()})
         else:
             folded.append(source)
             job.update({f"{source}/{key}": value for key, value in values.items()})

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from common.metric_names import DRAFTER_SOURCE
-from metrics_sidecar.wandb_layout import TARGET_RUN, read_runs_file
+from common.metric_names import DRAFTER_SOURCE, RANK_SOURCE
+from metrics_sidecar.wandb_layout import TARGET_RUN, parse_rank_key, read_runs_file
 from metrics_sidecar.wandb_uploader import sync_command
 
 logger = logging.getLogger(__name__)
@@ -180,15 +180,26 @@ def read_wandb_offline_history(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every history row (one per `log` call) of the job's offline runs, series named job-wide.
 
     A drafter run's series (`loss`, `step`, `eval/tau`) come back under the
-    names metrics.jsonl and docs/metrics.md use (`drafter/<id>/loss`, ...); the
-    target run's are already. Runs one after the other (each oldest segment
-    first); every row keeps W&B's own `_step`, `_timestamp` and `_runtime`.
+    names metrics.jsonl and docs/metrics.md use (`drafter/<id>/loss`, ...), its
+    ranks' (`rank/<k>/loss`) as `rank/<id>.<k>/loss`; the target run's are
+    already. Runs one after the other (each oldest segment first); every row
+    keeps W&B's own `_step`, `_timestamp` and `_runtime`.
     """
     rows: list[dict[str, Any]] = []
     for run in read_wandb_offline_runs(run_dir).values():
-        prefix = f"{run.source}/" if run.source else ""
+        source = run.source
+        drafter = DRAFTER_SOURCE.parse(source) if source else None
+
+        def name(key: str, source: str | None = source, drafter: str | None = drafter) -> str:
+            if key.startswith("_") or source is None:
+                return key
+            ranked = parse_rank_key(key)
+            if ranked is not None and drafter is not None:
+                return f"{RANK_SOURCE(f'{drafter}.{ranked[0]}')}/{ranked[1]}"
+            return f"{source}/{key}"
+
         for row in run.history:
-            rows.append({(k if k.startswith("_") else prefix + k): v for k, v in row.items()})
+            rows.append({name(k): v for k, v in row.items()})
     return rows
 
 

@@ -7,9 +7,9 @@ oldest window is dropped. A failing call is retried with exponential backoff a
 few times, then dropped with a log line; W&B failing never stops the sidecar.
 
 Runs (wandb_layout.py): the target run is opened at start; a drafter's run
-when its first series arrive, up to `max_drafter_runs` (the series of a
-drafter without a run of its own go to the target run under
-`drafter/<id>/`). All runs live in one process (`reinit="create_new"`) and
+when its first series (or its ranks') arrive, up to `max_drafter_runs` (the
+series of a drafter without a run of its own go to the target run under
+`drafter/<id>/`, its ranks' under `rank/<id>.<k>/`). All runs live in one process (`reinit="create_new"`) and
 one W&B group.
 
 Restarts: every sidecar start opens the same run ids (`wandb_runs.json` in

@@ -8,6 +8,7 @@ import os
 import sys
 
 from common import cli
+from common.durable_io import replace_durably
 from common.logging_setup import setup_logging
 from common.shutdown import install_stop_handlers, mark_exited
 
@@ -32,17 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_config_args(parser)
+    parser.add_argument("--replica", type=int, help="which target replica this process is (same as --set target.replica=R)")
     args = parser.parse_args(argv)
-    overrides = cli.config_overrides(args)
+    flags = [cli.override("target.replica", args.replica)] if args.replica is not None else []
+    overrides = cli.config_overrides(args, flags=flags)
     cfg = cli.load_job_config(PROG, args.config, overrides)
     if cfg is None:
         return 2
+    cfg = cfg.for_replica(cfg.target.replica)  # its own address, store port and device
     if args.print_config:
         return cli.print_config(cfg, PROG, args.config, overrides)
     run_dir = cfg.run.path
-    setup_logging("target", run_dir / "logs")
+    name = "target" if cfg.target.replicas == 1 else f"target-{cfg.target.replica}"
+    setup_logging(name, run_dir / "logs")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+    # config.toml (the job's, read by dflash-eval and dflash-export) from replica 0; each other replica's own.
+    replace_durably(run_dir / ("config.toml" if cfg.target.replica == 0 else f"config-{name}.toml"),
+                    cfg.to_toml().encode())
 
     # Imported after logging is set up: torch/transformers take a few seconds.
     from target_server.data import DataError

@@ -3,8 +3,9 @@
 The server's control thread owns the sockets, the threads and the clock; it
 decodes each message and hands it here with the current time, and sends what
 comes back. Everything that decides something lives in this class: whether a
-HELLO may register, which registration a new one replaces, who gets which
-batch against which credit, when a batch goes back to its group (drop, missed
+HELLO may register (its replica, topology and generation included), which
+registrations a new one replaces (the same rank, or every rank of an older
+generation of the drafter), who gets which batch against which credit, when a batch goes back to its group (drop, missed
 ACKs, a dead data plane), when DONE is due, and when a dropped registration's
 pinned buffers may be reused. Time is always passed in, so a test drives every
 interleaving in-process (restart mid-batch, duplicate HELLO, ACK after drop,
@@ -44,13 +45,18 @@ class Admission:
     heartbeat_timeout_s: float
     ack_timeout_s: float
     pair_timeout_s: float  # transport.timeout_s: how long a registration may take to form its data plane
+    replica: int = 0  # this target's replica number and the job's topology (common.plan_shard)
+    replicas: int = 1
+    topology_id: str = ""
 
 
 @dataclass
 class Registration:
     identity: bytes
-    drafter_id: str
-    group: str
+    drafter_id: str  # the drafter (one model) this rank trains; the scheduler's group
+    rank: int
+    world_size: int
+    generation: int
     epoch: int
     endpoint: Endpoint
     pid: int
@@ -63,6 +69,11 @@ class Registration:
     checkpoint_step: int = 0
     done_sent: bool = False
     held: dict[int, ReadyBatch] = field(default_factory=dict)  # buffers pinned until the ACK, by batch id
+
+    @property
+    def reader(self) -> str:
+        """This rank's name on the data plane (the drafter's side attaches under the same name)."""
+        return f"{self.drafter_id}.{self.rank}"
 
     @property
     def state(self) -> str:
@@ -161,24 +172,43 @@ class Coordinator:
 
     # ---------------------------------------------------------------- registration
     def _on_hello(self, identity: bytes, hello: P.Hello, now: float) -> Outbox:
-        refusal = self._refusal(identity, hello, now)
+        refusal = self._refusal(identity, hello, now) or self._generation_refusal(identity, hello)
         if refusal is not None:
             return refusal
+        newer = hello.generation > self.scheduler.generation(hello.drafter_id)
         for old in list(self.regs.values()):
-            if old.drafter_id == hello.drafter_id or old.identity == identity:
-                self.drop(old, "replaced by a new registration", now)
+            if old.identity == identity or (old.drafter_id == hello.drafter_id and (newer or old.rank == hello.rank)):
+                why = (f"replaced by generation {hello.generation}" if newer and old.identity != identity
+                       else "replaced by a new registration")
+                self.drop(old, why, now)  # before the join: an older generation's unACKed batches go to its state
         self._epoch_counter += 1
         epoch = self._epoch_counter
-        endpoint = self.data_plane.endpoint(hello.drafter_id, epoch)
-        self.regs[identity] = Registration(identity, hello.drafter_id, hello.group, epoch, endpoint, hello.pid,
-                                           now, now, now, step=hello.step)
-        self.scheduler.join(hello.group, hello.covered_watermark, hello.covered_extra)
+        endpoint = self.data_plane.endpoint(f"{hello.drafter_id}.{hello.rank}", epoch, send_weights=hello.need_weights)
+        self.regs[identity] = Registration(identity, hello.drafter_id, hello.rank, hello.world_size, hello.generation,
+                                           epoch, endpoint, hello.pid, now, now, now, step=hello.step)
+        self.scheduler.join(hello.drafter_id, hello.generation, hello.covered_watermark, hello.covered_extra)
         endpoint.start()
         logger.info(
-            "[hello] drafter %s (group %s, pid %d) registered as epoch %d; covers < %d (+%d more), step %d",
-            hello.drafter_id, hello.group, hello.pid, epoch, hello.covered_watermark, len(hello.covered_extra), hello.step,
+            "[hello] drafter %s rank %d/%d (generation %d, pid %d) registered as epoch %d; covers local < %d (+%d more), "
+            "step %d", hello.drafter_id, hello.rank, hello.world_size, hello.generation, hello.pid, epoch,
+            hello.covered_watermark, len(hello.covered_extra), hello.step,
         )
         return [(identity, self._welcome(endpoint, epoch))]
+
+    def _generation_refusal(self, identity: bytes, hello: P.Hello) -> Outbox | None:
+        """An older generation of a drafter, or a rank count its live generation does not have."""
+        current = self.scheduler.generation(hello.drafter_id)
+        if hello.generation < current:
+            return self._refuse(identity, P.E_STALE, (
+                f"drafter {hello.drafter_id} rank {hello.rank} is generation {hello.generation}, but generation "
+                f"{current} of it has registered since: this process belongs to a run that was restarted"))
+        if hello.generation == current:
+            sizes = {r.world_size for r in self.regs.values() if r.drafter_id == hello.drafter_id}
+            if sizes and sizes != {hello.world_size}:
+                return self._refuse(identity, P.E_CONFIG, (
+                    f"drafter {hello.drafter_id} generation {current} has {sizes.pop()} ranks, "
+                    f"this HELLO says {hello.world_size}"))
+        return None
 
     def _refusal(self, identity: bytes, hello: P.Hello, now: float) -> Outbox | None:
         """The ERROR reply when this HELLO may not register, else None."""
@@ -188,12 +218,15 @@ class Coordinator:
             return self.complain(identity, P.E_AUTH,
                                  f"HELLO for drafter {hello.drafter_id} without the run's control key "
                                  f"(<run_dir>/auth/control.key, same run directory as the target)")
-        if now - self._last_hello.get(hello.drafter_id, -1e9) < 1.0:
-            return self.complain(identity, P.E_BUSY, f"drafter {hello.drafter_id} re-registers too fast; retry in a second")
-        known = {r.drafter_id for r in self.regs.values()}
-        if hello.drafter_id not in known and len(known) >= adm.max_drafters:
-            return self.complain(identity, P.E_BUSY, f"target already serves control.max_drafters={len(known)} drafters")
-        self._last_hello[hello.drafter_id] = now
+        rank_name = f"{hello.drafter_id}.{hello.rank}"  # the rate limit is per rank: a drafter's ranks start together
+        if now - self._last_hello.get(rank_name, -1e9) < 1.0:
+            return self.complain(identity, P.E_BUSY,
+                                 f"drafter {hello.drafter_id} rank {hello.rank} re-registers too fast; retry in a second")
+        known = {(r.drafter_id, r.rank) for r in self.regs.values()}
+        if (hello.drafter_id, hello.rank) not in known and len(known) >= adm.max_drafters:
+            return self.complain(identity, P.E_BUSY,
+                                 f"target already serves control.max_drafters={len(known)} drafter ranks")
+        self._last_hello[rank_name] = now
         if len(self._last_hello) > 4 * adm.max_drafters:
             self._last_hello = {k: v for k, v in self._last_hello.items() if now - v < 1.0}
         if hello.config_hash != adm.config_hash:
@@ -205,9 +238,18 @@ class Coordinator:
                 f"transport mismatch: drafter {hello.drafter_id} uses {hello.transport}, target uses {adm.transport}"))
         if message := same_gpu_refusal(adm.transport, adm.gpu_uuid, hello.gpu_uuid, hello.drafter_id):
             return self._refuse(identity, P.E_TRANSPORT, message)
-        total = self.scheduler.total_batches
+        if hello.replica != adm.replica:
+            return self._refuse(identity, P.E_CONFIG, (
+                f"drafter {hello.drafter_id} addressed replica {hello.replica}, but this target is replica "
+                f"{adm.replica} of {adm.replicas}: check control.address / control.replica_addresses"))
+        if hello.topology_id and hello.topology_id != adm.topology_id:
+            return self._refuse(identity, P.E_CONFIG, (
+                f"drafter {hello.drafter_id}'s checkpoint was made under topology {hello.topology_id}, this target "
+                f"serves topology {adm.topology_id} ({adm.replicas} replicas of its plan): its per-replica coverage "
+                "would name other batches; go back to that topology or start a new run (another run.name)"))
+        total = self.scheduler.local_total
         if total is not None and not (hello.covered_watermark <= total and all(i < total for i in hello.covered_extra)):
-            return self.complain(identity, P.E_RANGE, f"HELLO coverage lies beyond the plan's {total} batches")
+            return self.complain(identity, P.E_RANGE, f"HELLO coverage lies beyond this replica's {total} batches")
         return None
 
     @staticmethod
@@ -222,17 +264,17 @@ class Coordinator:
             return
         reg.endpoint.stop()
         self.stopped_endpoints = [e for e in self.stopped_endpoints if e.is_alive()] + [reg.endpoint]
-        self.scheduler.leave(reg.group, sorted(reg.inflight))
+        self.scheduler.leave(reg.drafter_id, sorted(reg.inflight))
         if reg.held:
             # A live drafter may still be inside a step on pinned buffers: they are reused
             # only after the data plane's grace period for this reader.
-            grace = self.data_plane.release_grace_s(reg.drafter_id, reg.epoch, self.admission.heartbeat_timeout_s)
+            grace = self.data_plane.release_grace_s(reg.reader, reg.epoch, self.admission.heartbeat_timeout_s)
             self._deferred_release.append((now + grace, list(reg.held.values())))
             reg.held.clear()
-        self.data_plane.forget_reader(reg.drafter_id, reg.epoch)
+        self.data_plane.forget_reader(reg.reader, reg.epoch)
         logger.info(
-            "[drop] drafter %s (epoch %d) %s; %d unacknowledged batches go back to group %s",
-            reg.drafter_id, reg.epoch, why, len(reg.inflight), reg.group,
+            "[drop] drafter %s rank %d (epoch %d) %s; %d unacknowledged batches go back to the drafter's stream",
+            reg.drafter_id, reg.rank, reg.epoch, why, len(reg.inflight),
         )
 
     def close(self, now: float) -> Outbox:
@@ -271,7 +313,7 @@ class Coordinator:
         out: Outbox = []
         for reg in list(self.regs.values()):
             while reg.credits > 0:
-                ready = self.scheduler.take_for(reg.group)
+                ready = self.scheduler.take_for(reg.drafter_id)
                 if ready is None:
                     break
                 tag, slot = reg.endpoint.hand_over(ready)
@@ -287,10 +329,11 @@ class Coordinator:
                 if not reg.inflight:
                     reg.last_progress = now  # the ACK clock starts with the first batch held
                 reg.inflight.add(ready.plan_index)
-            if not reg.done_sent and not reg.inflight and self.scheduler.finished(reg.group):
+            if not reg.done_sent and not reg.inflight and self.scheduler.finished(reg.drafter_id):
                 reg.done_sent = True
-                out.append((reg.identity, P.Done(batches_served=self.scheduler.total_batches or 0)))
-                logger.info("[done] group %s has been served every batch; told drafter %s", reg.group, reg.drafter_id)
+                out.append((reg.identity, P.Done(batches_served=self.scheduler.local_total or 0)))
+                logger.info("[done] drafter %s has been served every batch of this replica; told rank %d",
+                            reg.drafter_id, reg.rank)
         return out
 
     def heartbeat_and_reap(self, now: float, captured_batches: int, capture_stalled_s: float) -> Outbox:
@@ -316,7 +359,7 @@ class Coordinator:
     def status_rows(self, now: float) -> list[P.DrafterStatus]:
         return [
             P.DrafterStatus(
-                id=r.drafter_id, group=r.group, epoch=r.epoch, pid=r.pid, step=r.step,
+                id=r.drafter_id, rank=r.rank, generation=r.generation, epoch=r.epoch, pid=r.pid, step=r.step,
                 checkpoint_step=r.checkpoint_step, inflight=len(r.inflight),
                 heartbeat_age_s=round(now - r.last_seen, 2), state=r.state,
             )

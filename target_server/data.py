@@ -242,33 +242,85 @@ def build_dataset(
     ``num_proc`` or on whether they came from the cache. Records that cannot be
     used are skipped and reported; :class:`DataError` only when none can be.
     """
+    _check_settings(heldout_fraction, data_format)
+    kwargs = dict(chat_template_kwargs or {})
+    started = time.monotonic()
+    src = open_source(source)
+    path, key = _cache_entry(tokenizer, src, source, cache_dir, data_format=data_format, chat_template_kwargs=kwargs,
+                             max_seq_len=max_seq_len, seed=seed, heldout_fraction=heldout_fraction,
+                             max_samples=max_samples)
+    cached = _lookup_cache(path, key, source, max_seq_len, started)
+    if cached is not None:
+        return cached
+    report = RecordReport()
+    conversations, where, resolved = _load_records(src, source, seed=seed, data_format=data_format, report=report,
+                                                   started=started)
+    held = [conversation_hash(messages, seed) < heldout_fraction for messages in conversations]
+    results = _tokenize_needed(tokenizer, conversations, held, max_seq_len=max_seq_len, max_samples=max_samples,
+                               chat_template_kwargs=kwargs, num_proc=num_proc)
+    dataset = _assemble(results, held, where, report, source, num_conversations=len(conversations),
+                        max_seq_len=max_seq_len, max_samples=max_samples)
+    _write_cache(dataset, path, key, resolved, report)
+    _log_dataset(dataset, max_seq_len)
+    return dataset
+
+
+def _check_settings(heldout_fraction: float, data_format: str) -> None:
+    """Refuse bad ``data.*`` settings before any file is opened or cache consulted."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     if data_format not in FORMATS:
         raise DataError(f"data.format must be one of {', '.join(FORMATS)}, got {data_format!r}")
-    kwargs = dict(chat_template_kwargs or {})
-    started = time.monotonic()
-    src = open_source(source)
-    directory = token_cache.resolve_cache_dir(cache_dir) if cache_dir is not None else None
-    path = key = None
-    if directory is not None:
-        key = token_cache.cache_key({
-            "data": src.fingerprint, "format": data_format, "tokenizer": token_cache.tokenizer_digest(tokenizer),
-            "chat_template_kwargs": kwargs, "max_seq_len": max_seq_len, "seed": seed,
-            "heldout_fraction": heldout_fraction, "max_samples": max_samples,
-        })
-        path = token_cache.cache_path(directory, source, key)
-        dataset = _read_cache(path, key, source)
-        if dataset is not None:
-            logger.info("[data] tokenized cache hit: %s (%d train / %d held-out samples); tokenization skipped (%.1fs)",
-                        path, len(dataset.train), len(dataset.heldout), time.monotonic() - started)
-            _log_dataset(dataset, max_seq_len)
-            return dataset
-        logger.info("[data] tokenized cache miss: %s", path)
-    else:
-        logger.info("[data] tokenized cache off")
 
-    report = RecordReport()
+
+def _cache_entry(tokenizer: Any, src: Any, source: str, cache_dir: str | None, *, data_format: str,
+                 chat_template_kwargs: dict[str, Any], max_seq_len: int, seed: int, heldout_fraction: float,
+                 max_samples: int) -> tuple[Any, str | None]:
+    """``(path, key)`` of this data set's tokenized-cache entry, ``(None, None)`` with the cache off
+    (``cache_dir`` None, or resolving to no directory: ``"off"``).
+
+    The key covers everything the samples depend on (data, format, tokenizer,
+    template arguments, split and selection settings), so a change in any of
+    them misses the cache instead of reading stale samples.
+    """
+    directory = token_cache.resolve_cache_dir(cache_dir) if cache_dir is not None else None
+    if directory is None:
+        return None, None
+    key = token_cache.cache_key({
+        "data": src.fingerprint, "format": data_format, "tokenizer": token_cache.tokenizer_digest(tokenizer),
+        "chat_template_kwargs": chat_template_kwargs, "max_seq_len": max_seq_len, "seed": seed,
+        "heldout_fraction": heldout_fraction, "max_samples": max_samples,
+    })
+    return token_cache.cache_path(directory, source, key), key
+
+
+def _lookup_cache(path: Any, key: str | None, source: str, max_seq_len: int, started: float) -> Dataset | None:
+    """The data set cached at ``path`` (a hit, logged with its summary), or None after logging a miss
+    (or that the cache is off: ``path`` None).
+
+    Kept apart from the tokenizing path so a second start on the same inputs
+    returns here without reading the source's records at all.
+    """
+    if path is None:
+        logger.info("[data] tokenized cache off")
+        return None
+    dataset = _read_cache(path, key, source)
+    if dataset is None:
+        logger.info("[data] tokenized cache miss: %s", path)
+        return None
+    logger.info("[data] tokenized cache hit: %s (%d train / %d held-out samples); tokenization skipped (%.1fs)",
+                path, len(dataset.train), len(dataset.heldout), time.monotonic() - started)
+    _log_dataset(dataset, max_seq_len)
+    return dataset
+
+
+def _load_records(src: Any, source: str, *, seed: int, data_format: str, report: RecordReport,
+                  started: float) -> tuple[list[Messages], list[str], str]:
+    """``(conversations, where each came from, resolved format)`` of the source; unusable records go to ``report``.
+
+    ``pydoc`` is built here rather than read, so it gets its own record
+    locations and counts the same way a file's records do.
+    """
     if src.kind == "pydoc":
         conversations = load_conversations(source, seed=seed)
         where = [f"pydoc:{i}" for i in range(len(conversations))]
@@ -279,10 +331,17 @@ def build_dataset(
         conversations, where, resolved = read.conversations, read.where, read.data_format
     logger.info("[data] %d conversations from %s (format %s, %.1fs)",
                 len(conversations), src.describe(), resolved, time.monotonic() - started)
+    return conversations, where, resolved
 
-    held = [conversation_hash(messages, seed) < heldout_fraction for messages in conversations]
-    results = _tokenize_needed(tokenizer, conversations, held, max_seq_len=max_seq_len, max_samples=max_samples,
-                               chat_template_kwargs=kwargs, num_proc=num_proc)
+
+def _select_samples(results: dict[int, Tokenized], held: list[bool], where: list[str], report: RecordReport, *,
+                    max_seq_len: int, max_samples: int) -> tuple[list[Sample], list[Sample], int, int]:
+    """``(train, heldout, dropped, truncated)`` from the tokenized conversations, in source order.
+
+    Truncates to ``max_seq_len``, drops samples left without an assistant
+    token, reports template errors to ``report``, and stops taking training
+    samples at ``max_samples`` (the same walk ``_tokenize_needed`` planned for).
+    """
     train: list[Sample] = []
     heldout: list[Sample] = []
     dropped = truncated = 0
@@ -302,21 +361,39 @@ def build_dataset(
             continue
         target = heldout if is_heldout else train
         target.append(Sample(sample_id=len(target), input_ids=torch.from_numpy(ids), loss_mask=torch.from_numpy(mask)))
+    return train, heldout, dropped, truncated
+
+
+def _assemble(results: dict[int, Tokenized], held: list[bool], where: list[str], report: RecordReport,
+              source: str, *, num_conversations: int, max_seq_len: int, max_samples: int) -> Dataset:
+    """The :class:`Dataset` of the tokenized conversations; :class:`DataError` when nothing usable is left.
+
+    Skipped records only warn; a source whose every record is bad, or that
+    yields no training sample, is a configuration error worth stopping on.
+    """
+    train, heldout, dropped, truncated = _select_samples(results, held, where, report, max_seq_len=max_seq_len,
+                                                         max_samples=max_samples)
     report.raise_if_all_bad(source)
     if report.skipped:
         logger.warning("[data] %s (first: %s)", report.summary(), report.first_reasons())
     if not train:
         raise DataError(f"data source {source!r} gave no training sample with assistant tokens "
-                        f"(conversations={len(conversations)}, dropped={dropped}, held out={len(heldout)})")
-    dataset = Dataset(train=train, heldout=heldout, source=source, num_conversations=len(conversations),
-                      num_dropped=dropped, num_truncated=truncated, stats=_stats(train),
-                      num_records=report.total, num_skipped=len(report.skipped))
-    if path is not None and key is not None:
-        if token_cache.write(path, _cache_header(dataset, key, resolved, report), _cache_arrays(dataset)):
-            dataset.cache_path = str(path)
-            logger.info("[data] tokenized cache written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
-    _log_dataset(dataset, max_seq_len)
-    return dataset
+                        f"(conversations={num_conversations}, dropped={dropped}, held out={len(heldout)})")
+    return Dataset(train=train, heldout=heldout, source=source, num_conversations=num_conversations,
+                   num_dropped=dropped, num_truncated=truncated, stats=_stats(train),
+                   num_records=report.total, num_skipped=len(report.skipped))
+
+
+def _write_cache(dataset: Dataset, path: Any, key: str | None, data_format: str, report: RecordReport) -> None:
+    """Store ``dataset`` as the cache entry ``path`` (None: cache off) so the next start skips tokenizing.
+
+    A failed write costs only the next start's time, so it never fails this one.
+    """
+    if path is None or key is None:
+        return
+    if token_cache.write(path, _cache_header(dataset, key, data_format, report), _cache_arrays(dataset)):
+        dataset.cache_path = str(path)
+        logger.info("[data] tokenized cache written: %s (%.1f MiB)", path, path.stat().st_size / 2**20)
 
 
 def _tokenize_needed(tokenizer: Any, conversations: list[Messages], held: list[bool], *, max_seq_len: int,

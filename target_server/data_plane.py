@@ -54,7 +54,7 @@ class DataPlane(Protocol):
     events: "queue.Queue[LinkEvent]"  # sent/failed results of endpoint threads, drained by the control loop
 
     def batch_buffers(self) -> list[list[torch.Tensor]] | None: ...  # the scheduler's buffers, None = allocate
-    def endpoint(self, drafter_id: str, epoch: int) -> Endpoint: ...
+    def endpoint(self, reader: str, epoch: int, send_weights: bool = True) -> Endpoint: ...  # reader: "<id>.<rank>"
     def begin_write(self, bucket: int, buffer: torch.Tensor) -> None: ...  # the capture overwrites buffer
     def publish(self, bucket: int, buffer: torch.Tensor) -> tuple[int, int]: ...  # -> (slot, tag) of a whole batch
     def release_grace_s(self, drafter_id: str, epoch: int, heartbeat_timeout_s: float) -> float: ...
@@ -79,12 +79,13 @@ class PairPlane:
     def batch_buffers(self) -> None:
         return None
 
-    def endpoint(self, drafter_id: str, epoch: int) -> DrafterLink:
+    def endpoint(self, reader: str, epoch: int, send_weights: bool = True) -> DrafterLink:
         # Unguessable: only the drafter told in WELCOME can join (or spoof) this pair.
         prefix = f"pair/{secrets.token_hex(16)}/{epoch}"
         return DrafterLink(
-            name=f"{drafter_id}-{epoch}", transport=self._transport, store_address=self._store, prefix=prefix,
-            device=self._device, timeout_s=self._timeout_s, weights=self._weights, events=self.events,
+            name=f"{reader}-{epoch}", transport=self._transport, store_address=self._store, prefix=prefix,
+            device=self._device, timeout_s=self._timeout_s, weights=self._weights if send_weights else None,
+            events=self.events,
             local_host=self._local_host,
         )
 
@@ -127,9 +128,9 @@ class ShmPlane:
     def batch_buffers(self) -> list[list[torch.Tensor]]:
         return self.pool.buffers
 
-    def endpoint(self, drafter_id: str, epoch: int) -> PoolEndpoint:
-        pool = self.pool
-        return PoolEndpoint(f"{drafter_id}-{epoch}", {
+    def endpoint(self, reader: str, epoch: int, send_weights: bool = True) -> PoolEndpoint:
+        pool = self.pool  # the weights segment is there for whoever reads it
+        return PoolEndpoint(f"{reader}-{epoch}", {
             "pair_prefix": pool.name, "shm_name": pool.name, "shm_slot_bytes": pool.slot_bytes,
             "shm_slots_per_bucket": pool.slots_per_bucket, "shm_weights_name": self.weights.name,
         })

@@ -18,7 +18,7 @@ import torch
 
 from common.devices import use_device
 from common.streams import SideStream
-from common.transport import TARGET_RANK, PairGroup, TransportError, connect_store
+from common.transport import TARGET_RANK, PairGroup, TransportError, connect_store, gpu_uuid
 from target_server.scheduler import ReadyBatch
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class DrafterLink(LinkThread):
         prefix: str,
         device: torch.device,
         timeout_s: float,
-        weights: torch.Tensor,
+        weights: torch.Tensor | None,  # None: the drafter has the frozen weights already (HELLO.need_weights)
         events: "queue.Queue[LinkEvent]",
         local_host: str,
     ):
@@ -106,7 +106,8 @@ class DrafterLink(LinkThread):
         return self._pair is not None
 
     def welcome_fields(self) -> dict:
-        return {"pair_prefix": self.prefix}
+        # Our GPU for NCCL: a drafter on the same one refuses (NCCL cannot pair two ranks on it).
+        return {"pair_prefix": self.prefix, "gpu_uuid": gpu_uuid(self._device) if self._transport == "nccl" else ""}
 
     def requested(self) -> None:
         pass  # paired is told by the pair group itself
@@ -145,7 +146,8 @@ class DrafterLink(LinkThread):
             stream = SideStream(self._device)
             stream.wait_default()  # the weights were written on the default stream
             with stream.active():
-                self._pair.send(self._weights, tag=0)
+                if self._weights is not None:
+                    self._pair.send(self._weights, tag=0)
             while (item := self._next_item()) is not None:
                 ready, tag = item
                 start = time.perf_counter()

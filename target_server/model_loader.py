@@ -207,20 +207,52 @@ def load_target(
     directory has no tokenizer files; by default the tokenizer comes from the
     same place as the model.
     """
-    from transformers import AutoModelForCausalLM
-
     directory, gguf_file = resolve_model_source(model)
+    tok_directory, tok_gguf, tok_label = _tokenizer_location(model, directory, gguf_file, tokenizer_source)
+    tokenizer = _load_tokenizer(tok_directory, tok_gguf, tok_label)
+    lm, num_layers, hidden_size, vocab_size = _load_frozen_model(model, directory, gguf_file, device=device,
+                                                                 dtype=dtype)
+    if len(tokenizer) > vocab_size:
+        raise ModelLoadError(f"the tokenizer from {tok_label!r} has {len(tokenizer)} tokens but the model's embedding "
+                             f"has only {vocab_size} rows; use the model's own tokenizer (target.tokenizer)")
+    return LoadedTarget(
+        model=lm,
+        tokenizer=tokenizer,
+        model_id=_readable_id(directory, gguf_file, model),
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        config=lm.config,
+        pad_token_id=_pad_token_id(tokenizer),
+    )
+
+
+def _tokenizer_location(model: str, directory: str, gguf_file: str | None,
+                        tokenizer_source: str | None) -> tuple[str, str | None, str]:
+    """``(directory, gguf_file, label)`` to load the tokenizer from: ``target.tokenizer`` if set, else the model's.
+
+    Checked before the (slow) model load, so a model directory without
+    tokenizer files fails at once with what to set instead.
+    """
     if tokenizer_source:
         tok_directory, tok_gguf = resolve_tokenizer_source(tokenizer_source)
-        tok_label = tokenizer_source
-    else:
-        tok_directory, tok_gguf, tok_label = directory, gguf_file, model
-        if gguf_file is None and os.path.isdir(directory) and not any(
-                os.path.isfile(os.path.join(directory, name)) for name in _TOKENIZER_FILES):
-            raise ModelLoadError(f"target.model={model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
-                                 f"set target.tokenizer to a tokenizer source ('smollm2', a .gguf file, a "
-                                 f"tokenizer directory or a cached hub id)")
-    tokenizer = _load_tokenizer(tok_directory, tok_gguf, tok_label)
+        return tok_directory, tok_gguf, tokenizer_source
+    if gguf_file is None and os.path.isdir(directory) and not any(
+            os.path.isfile(os.path.join(directory, name)) for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"target.model={model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+                             f"set target.tokenizer to a tokenizer source ('smollm2', a .gguf file, a "
+                             f"tokenizer directory or a cached hub id)")
+    return directory, gguf_file, model
+
+
+def _load_frozen_model(model: str, directory: str, gguf_file: str | None, *, device: str,
+                       dtype: torch.dtype) -> tuple[Any, int, int, int]:
+    """``(lm, num_layers, hidden_size, vocab_size)``: the causal LM loaded offline, in eval mode, without grads.
+
+    The target only serves hidden states, so its weights are frozen here once
+    rather than guarded at every forward.
+    """
+    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
     if gguf_file:
@@ -247,23 +279,15 @@ def load_target(
     num_params = sum(p.numel() for p in lm.parameters())
     logger.info("[load] model %s loaded: %d layers, hidden %d, vocab %d, %.1fM parameters (%.1fs)",
                 model, num_layers, hidden_size, vocab_size, num_params / 1e6, time.monotonic() - started)
+    return lm, num_layers, hidden_size, vocab_size
 
-    if len(tokenizer) > vocab_size:
-        raise ModelLoadError(f"the tokenizer from {tok_label!r} has {len(tokenizer)} tokens but the model's embedding "
-                             f"has only {vocab_size} rows; use the model's own tokenizer (target.tokenizer)")
+
+def _pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad token, else its EOS, else 0: batches are padded even for tokenizers that name no pad."""
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
         pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return LoadedTarget(
-        model=lm,
-        tokenizer=tokenizer,
-        model_id=_readable_id(directory, gguf_file, model),
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        config=config,
-        pad_token_id=int(pad_token_id),
-    )
+    return int(pad_token_id)
 
 
 # --------------------------------------------------------------------------

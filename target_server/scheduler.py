@@ -1,12 +1,23 @@
 """Which batch to capture next, which group gets which batch, and buffer reuse.
 
 The data set is a deterministic plan of batches; a plan index names one batch
-for all time (``epoch = index // batches_per_epoch``). Every drafter group sees
-every batch once: a group's progress is ``next_index`` (lowest index never
-dispatched) plus ``redo`` (indices below it that must be sent again because a
-registration died before acknowledging them, or because a restarted drafter's
-checkpoint does not cover them). A captured batch is computed once and sent to
-every group that needs it, then its buffer is reused.
+for all time (``epoch = index // batches_per_epoch``). This target replica
+serves the plan indices its :class:`~common.plan_shard.Shard` owns (every
+index with ``replicas = 1``). Every drafter group (one drafter, trained by one
+or more ranks) sees every owned batch once: a group's progress is
+``next_index`` (lowest owned index never dispatched) plus ``redo`` (indices
+below it that must be sent again because a registration died before
+acknowledging them, or because a restarted drafter's checkpoint does not cover
+them). A captured batch is computed once and sent to every group that needs
+it, then its buffer is reused.
+
+Coverage arrives in the replica's local indices (HELLO) and is kept here in
+plan indices. A group's *generation* grows with every (re)start of the
+drafter: a HELLO of a newer generation resets the group's cursor to its
+checkpoint's coverage (what was trained since that checkpoint is lost with the
+restart, so it is served again); a HELLO of the current generation (another
+rank, or a rank reconnecting) only adds its coverage, so a joining rank never
+rewinds what its peers were served.
 
 Thread model: the capture thread calls :meth:`next_to_capture` /
 :meth:`publish`; the control thread calls everything else. One condition
@@ -22,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.packing import BatchLayout
+from common.plan_shard import Shard
 
 
 @dataclass
@@ -49,6 +61,7 @@ class GroupState:
     next_index: int = 0
     redo: list[int] = field(default_factory=list)  # kept sorted
     active: int = 0  # live registrations in this group
+    generation: int = -1
 
     def wants(self, index: int) -> bool:
         return index >= self.next_index or index in self.redo
@@ -65,12 +78,14 @@ class BatchScheduler:
         device: torch.device,
         pin_memory: bool = False,
         buffers: list[list[torch.Tensor]] | None = None,
+        shard: Shard = Shard(),
     ):
         """``slots_per_bucket`` batches per bucket are captured ahead of the groups; ``buffers``
         (transport shm: the shared pool's slots, more than that per bucket) replaces allocating them."""
         self._bucket_of = bucket_of  # plan index -> bucket
         self.layouts = layouts
-        self.total_batches = total_batches
+        self.total_batches = total_batches  # of the whole plan (every replica's), None = unlimited
+        self.shard = shard
         self.lookahead = slots_per_bucket
         self._cond = threading.Condition()
         if buffers is None:
@@ -84,18 +99,54 @@ class BatchScheduler:
         self._closed = False
 
     # ---- group lifecycle (control thread) ----
-    def join(self, group: str, covered_watermark: int, covered_extra: list[int]) -> None:
-        """A registration joins ``group``; its checkpoint covers < watermark plus extra."""
+    @property
+    def local_total(self) -> int | None:
+        """Plan indices this replica serves (None = unlimited)."""
+        return None if self.total_batches is None else self.shard.size(self.total_batches)
+
+    def generation(self, group: str) -> int:
+        """The group's current generation (-1 before any registration)."""
+        with self._cond:
+            state = self.groups.get(group)
+            return -1 if state is None else state.generation
+
+    def join(self, group: str, generation: int, covered_watermark: int, covered_extra: list[int]) -> bool:
+        """A registration joins ``group``; its checkpoint covers local indices < watermark plus extra.
+
+        Returns True when ``generation`` is newer than the group's: the cursor was reset to this
+        coverage, and the caller drops the older generation's registrations. The caller refuses
+        a generation older than the group's."""
         # Computed before taking the lock: its size is the peer's to choose (bounded by the protocol).
+        shard = self.shard
         extra = set(covered_extra)
-        top = max([covered_watermark, *(i + 1 for i in extra)])
-        redo = [i for i in range(covered_watermark, top) if i not in extra]
+        top_local = max([covered_watermark, *(i + 1 for i in extra)])
         with self._cond:
             state = self.groups.setdefault(group, GroupState())
-            state.next_index = top
-            state.redo = redo
+            newer = generation > state.generation
+            if newer:
+                state.generation = generation
+                state.next_index = shard.plan_index(top_local)
+                state.redo = [shard.plan_index(j) for j in range(covered_watermark, top_local) if j not in extra]
+            else:
+                self._merge(state, covered_watermark, extra, top_local)
             state.active += 1
             self._cond.notify_all()
+            return newer
+
+    def _merge(self, state: GroupState, watermark: int, extra: set[int], top_local: int) -> None:
+        """Add a same-generation registration's coverage: what it covers is not served again."""
+        shard = self.shard
+
+        def covered(index: int) -> bool:
+            j = shard.local(index)
+            return j < watermark or j in extra
+
+        state.redo = [i for i in state.redo if not covered(i)]
+        top = shard.plan_index(top_local)
+        if top > state.next_index:
+            gap = range(state.next_index, top, shard.replicas)
+            state.redo = sorted(state.redo + [i for i in gap if not covered(i)])
+            state.next_index = top
 
     def leave(self, group: str, unacked: list[int]) -> None:
         """A registration left or died; its unacknowledged batches must be sent again."""
@@ -134,7 +185,7 @@ class BatchScheduler:
             if state.redo and state.redo[0] == index:
                 state.redo.pop(0)
             else:
-                state.next_index += 1
+                state.next_index += self.shard.replicas
             ready.pins += 1
             return ready
 
@@ -153,10 +204,10 @@ class BatchScheduler:
             if not state.active:
                 continue
             wanted.update(state.redo[: self.lookahead])
-            end = state.next_index + self.lookahead
+            end = state.next_index + self.lookahead * self.shard.replicas
             if self.total_batches is not None:
                 end = min(end, self.total_batches)
-            wanted.update(range(state.next_index, end))
+            wanted.update(range(state.next_index, end, self.shard.replicas))
         return sorted(i for i in wanted if i not in self._ready and i not in self._capturing)
 
     def _take_slot(self, bucket: int, index: int) -> torch.Tensor | None:

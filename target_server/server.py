@@ -32,7 +32,8 @@ from common.auth import load_or_create_control_key
 from common.config import Config
 from common.devices import use_device
 from common.layer_ids import build_target_layer_ids
-from common.metric_names import TARGET_SOURCE, Target
+from common.metric_names import Target, target_source
+from common.plan_shard import Shard, plan_fingerprint, topology_id
 from common.metrics_client import MetricsPusher
 from common.sockets import SecurityError, SocketFactory, check_bind
 from common.packing import BatchLayout, WeightsLayout, dtype_from_name
@@ -121,7 +122,8 @@ class TargetServer:
             self._store = host_store(cfg.control.store_host, cfg.control.store_port, cfg.transport.timeout_s)
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
-        self._metrics = MetricsPusher(cfg.metrics.address, TARGET_SOURCE, sockets=self._sockets)
+        self._metrics = MetricsPusher(cfg.metrics.address, target_source(cfg.target.replica, cfg.target.replicas),
+                                      sockets=self._sockets)
         self._control_key = load_or_create_control_key(cfg.run.path)
 
         loaded = load_target(
@@ -177,6 +179,7 @@ class TargetServer:
             )
         except TransportError as exc:
             raise StartupError(str(exc)) from None
+        self.shard = Shard(cfg.target.replica, cfg.target.replicas)
         self.scheduler = BatchScheduler(
             bucket_of=lambda i: self.plan.batch(i).bucket,
             layouts=self.layouts,
@@ -184,17 +187,24 @@ class TargetServer:
             total_batches=total,
             device=self.device,
             buffers=self.plane.batch_buffers(),
+            shard=self.shard,
         )
+        self.plan_fingerprint = plan_fingerprint(self.data_fingerprint, self.plan.batches_per_epoch, total,
+                                                 [list(s) for s in self.spec.shapes()], cfg.data.seed)
+        self.topology_id = topology_id(self.plan_fingerprint, self.shard.replicas)
         logger.info(
-            "[startup] plan: %d batches per epoch, buckets %s, epochs %s",
-            self.plan.batches_per_epoch, self.spec.shapes(), cfg.data.num_epochs or "unlimited",
+            "[startup] plan: %d batches per epoch, buckets %s, epochs %s (plan %s); replica %d of %d serves every "
+            "plan index i with i mod %d == %d (topology %s)",
+            self.plan.batches_per_epoch, self.spec.shapes(), cfg.data.num_epochs or "unlimited", self.plan_fingerprint,
+            self.shard.replica, self.shard.replicas, self.shard.replicas, self.shard.replica, self.topology_id,
         )
         self.coord = Coordinator(
             admission=Admission(
                 control_key=self._control_key, config_hash=cfg.shared_hash(), transport=self.transport,
                 gpu_uuid=gpu_uuid(self.device), max_drafters=cfg.control.max_drafters,
                 heartbeat_timeout_s=cfg.control.heartbeat_timeout_s, ack_timeout_s=cfg.control.ack_timeout_s,
-                pair_timeout_s=cfg.transport.timeout_s,
+                pair_timeout_s=cfg.transport.timeout_s, replica=self.shard.replica, replicas=self.shard.replicas,
+                topology_id=self.topology_id,
             ),
             scheduler=self.scheduler, data_plane=self.plane, welcome=self._welcome,
         )
@@ -380,7 +390,10 @@ class TargetServer:
             batches_per_epoch=self.plan.batches_per_epoch,
             train_samples=len(self.dataset.train),
             data_fingerprint=self.data_fingerprint,
-            gpu_uuid=gpu_uuid(self.device) if self.transport == "nccl" else "",
+            replica=self.shard.replica,
+            replicas=self.shard.replicas,
+            plan_fingerprint=self.plan_fingerprint,
+            topology_id=self.topology_id,
             **endpoint.welcome_fields(),
         )
 

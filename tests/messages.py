@@ -18,3 +18,11 @@ def welcome(**overrides) -> P.Welcome:
     )
     fields.update(overrides)
     return P.Welcome(**fields)
+
+
+def hello(drafter_id: str, config_hash: str, transport: str = "gloo", **overrides) -> P.Hello:
+    """A HELLO of rank 0 of a one-process drafter (generation 1) to replica 0 of 1."""
+    fields = dict(drafter_id=drafter_id, config_hash=config_hash, transport=transport, pid=1, rank=0, world_size=1,
+                  generation=1, replica=0, topology_id="")
+    fields.update(overrides)
+    return P.Hello(**fields)

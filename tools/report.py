@@ -4,9 +4,12 @@ Writes into ``runs/<name>/plots/`` (or ``--out``) and prints one path per line:
 
 - ``drafter-<id>.png`` per drafter: loss, expected acceptance length (EAL) and
   learning rate against the drafter's step, and accuracy per block position in
-  its last record;
+  its last record; for a drafter trained by several ranks (sources
+  ``rank/<id>.<k>``), the drafter's own curves (composed from its ranks' by the
+  metrics sidecar, or here when metrics.jsonl has none) and each rank's loss;
 - ``drafters.png``: every drafter's loss and EAL on shared axes (experiments side by side);
-- ``target.png``: the target's tokens/s and queue depth against wall time;
+- ``target.png``: the target's tokens/s and queue depth against wall time, one
+  line per replica (``target/<r>``) when there are several;
 - ``pipeline.png``: each drafter's step against wall time, and the step skew
   (fastest minus slowest drafter) between them.
 
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli
-from common.metric_names import DRAFTER_SOURCE, TARGET_SOURCE, Drafter, Eval, Target
+from common.metric_names import DRAFTER_SOURCE, EVAL_PREFIX, TARGET_REPLICA_SOURCE, TARGET_SOURCE, Drafter, Eval, Target
+from metrics_sidecar.ranks import compose_values, rank_of
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -92,6 +96,67 @@ def read_metrics(run_dir: Path) -> tuple[dict[str, Series], int]:
     return sources, skipped
 
 
+def _trains(rec: dict) -> bool:
+    """Whether a record is a training one (not only the eval/* values of dflash-eval --watch)."""
+    return any(not key.startswith(EVAL_PREFIX) for key in rec["values"])
+
+
+def compose_ranks(ranks: dict[int, Series]) -> Series:
+    """A drafter's records made from its ranks', at each step every rank reported (newest record
+    per rank and step), by the metrics sidecar's rules (metrics_sidecar/ranks.py)."""
+    latest: dict[int, dict[int, dict]] = {}
+    for rank, series in ranks.items():
+        for rec in series.records:
+            if _trains(rec):
+                latest.setdefault(int(rec["step"]), {})[rank] = rec
+    records = []
+    for step in sorted(latest):
+        got = latest[step]
+        if got.keys() == ranks.keys():
+            records.append({"step": step, "time": max(float(r["time"]) for r in got.values()),
+                            "values": compose_values({k: r["values"] for k, r in got.items()})})
+    return Series(records)
+
+
+@dataclass
+class Sources:
+    """The records of a run, by role."""
+
+    drafters: dict[str, Series]  # drafter id -> its own records (composed from its ranks' where it has ranks)
+    ranks: dict[str, dict[int, Series]]  # drafter id -> rank -> records, for drafters trained by several ranks
+    targets: dict[str, Series]  # "target", or "target/<r>" per replica, in replica order
+
+
+def group_sources(sources: dict[str, Series]) -> Sources:
+    """Sort a run's sources into drafters (a multi-rank drafter once), their ranks, and targets."""
+    drafters: dict[str, Series] = {}
+    ranks: dict[str, dict[int, Series]] = {}
+    targets: dict[str, Series] = {}
+    for name, series in sources.items():
+        drafter = DRAFTER_SOURCE.parse(name)
+        parsed = rank_of(name)
+        if drafter is not None:
+            drafters[drafter] = series
+        elif parsed is not None:
+            ranks.setdefault(parsed[0], {})[parsed[1]] = series
+        elif name == TARGET_SOURCE or TARGET_REPLICA_SOURCE.parse(name) is not None:
+            targets[name] = series
+    for drafter, by_rank in ranks.items():
+        own = drafters.get(drafter, Series())
+        if not any(_trains(rec) for rec in own.records):  # no composed records (an older sidecar): compose here
+            drafters[drafter] = Series(compose_ranks(by_rank).records + own.records)
+    order = sorted(drafters, key=_natural_key)
+    return Sources(
+        drafters={d: drafters[d] for d in order},
+        ranks={d: dict(sorted(ranks[d].items())) for d in sorted(ranks, key=_natural_key)},
+        targets={t: targets[t] for t in sorted(targets, key=_natural_key)},
+    )
+
+
+def _natural_key(text: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
 def step_skew(drafters: dict[str, Series], t0: float, points: int = 200) -> tuple[list[float], list[float]]:
     """Fastest minus slowest drafter step over wall time.
 
@@ -129,8 +194,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = min(rec["time"] for s in sources.values() for rec in s.records)
-    prefix = DRAFTER_SOURCE.prefix
-    drafters = {name[len(prefix):]: s for name, s in sorted(sources.items()) if name.startswith(prefix)}
+    grouped = group_sources(sources)
+    drafters = grouped.drafters
     written: list[Path] = []
 
     def save(fig, name: str) -> None:
@@ -141,13 +206,22 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         written.append(path)
 
     for drafter_id, series in drafters.items():
+        ranks = grouped.ranks.get(drafter_id, {})
         fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-        fig.suptitle(f"drafter {drafter_id} ({run_dir.name})")
+        fig.suptitle(f"drafter {drafter_id}{f' ({len(ranks)} ranks)' if ranks else ''} ({run_dir.name})")
         for ax, key, label in ((axes[0, 0], Drafter.LOSS, "loss (nats)"),
                                (axes[0, 1], Drafter.EAL, "expected acceptance length"),
                                (axes[1, 1], Drafter.LR, "learning rate")):
             steps, values = series.by_step(key)
             _line(ax, steps, values, label, "step")
+        if ranks:  # each rank's own loss next to the drafter's (their mean)
+            for line in axes[0, 0].lines:
+                line.set_label("drafter (mean over ranks)")
+            for rank, rank_series in ranks.items():
+                steps, values = rank_series.by_step(Drafter.LOSS)
+                if steps:
+                    axes[0, 0].plot(steps, values, linewidth=0.8, alpha=0.6, label=f"rank {rank}")
+            _axes(axes[0, 0], "loss (nats)", "step", legend=True)
         _position_accuracy(axes[1, 0], series)
         save(fig, f"drafter-{_safe(drafter_id)}.png")
 
@@ -178,13 +252,25 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         _axes(axes[1], "acceptance rate by block position", "minutes since the first record", legend=True)
         save(fig, "eval.png")
 
-    if TARGET_SOURCE in sources:
-        target = sources[TARGET_SOURCE]
+    if grouped.targets:
         fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-        fig.suptitle(f"target ({run_dir.name})")
-        _line(axes[0], *target.by_time(Target.TOKENS_PER_S, t0), "tokens/s", None)
-        _line(axes[1], *target.by_time(Target.QUEUE_DEPTH, t0), "queue depth (ready batches)",
-              "seconds since the first record")
+        replicas = len(grouped.targets) > 1 or TARGET_SOURCE not in grouped.targets
+        if replicas:
+            fig.suptitle(f"target, {len(grouped.targets)} replicas ({run_dir.name})")
+        else:
+            fig.suptitle(f"target ({run_dir.name})")
+        for ax, key, label, xlabel in ((axes[0], Target.TOKENS_PER_S, "tokens/s", None),
+                                       (axes[1], Target.QUEUE_DEPTH, "queue depth (ready batches)",
+                                        "seconds since the first record")):
+            if not replicas:
+                _line(ax, *grouped.targets[TARGET_SOURCE].by_time(key, t0), label, xlabel)
+                continue
+            for name, target in grouped.targets.items():  # one line per replica
+                times, values = target.by_time(key, t0)
+                if times:
+                    ax.plot(times, values, marker="." if len(times) < 30 else None,
+                            label=name if name == TARGET_SOURCE else f"replica {TARGET_REPLICA_SOURCE.parse(name)}")
+            _axes(ax, label, xlabel, legend=True)
         save(fig, "target.png")
 
     if drafters:

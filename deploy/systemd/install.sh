@@ -16,7 +16,8 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 HOME_DIR=$(cd "$HERE/../.." && pwd)
-UNITS=(dflash-target.service dflash-metrics.service "dflash-drafter@.service")
+UNITS=(dflash-target.service dflash-metrics.service "dflash-drafter@.service"
+       "dflash-target@.service" "dflash-drafter-group@.service")
 
 scope=system
 dest=""
@@ -112,6 +113,9 @@ next:
   $sc restart dflash-drafter@1          # after changing its code or [drafters.1]
   $jc -fu dflash-metrics                 # the sidecar's log
   $sc enable dflash-metrics dflash-target dflash-drafter@1   # start at boot
+several target replicas and a torchrun drafter (e.g. configs/node-8gpu.toml):
+  python -m deploy.node --config CONFIG --check --env-file $env_file   # the layout, checked
+  $sc start dflash-metrics dflash-target@{0..4} dflash-drafter-group@g0
 EOF
 if [ "$scope" = system ] && [ -z "$service_user" ]; then
     echo "note: no --service-user given and no \$SUDO_USER: the services run as root" >&2

@@ -2,21 +2,27 @@
 # The whole job in one tmux session, one window per process (the Makefile's
 # `tmux`, `restart-drafter`, `stop` and `logs` targets call this).
 #
-#   deploy/tmux/launch.sh [start] CONFIG          open the session: windows overview
-#                                                 (dflash-status --watch over a pane tailing
-#                                                 the sidecar log), metrics, target, drafter-<id>...
+#   deploy/tmux/launch.sh [start] CONFIG          check the layout (python -m deploy.node --check), open the
+#                                                 session: windows overview (dflash-status --watch over a pane
+#                                                 tailing the sidecar log), metrics, target (target-<r> per
+#                                                 replica when target.replicas > 1), drafter-<id>...
 #   deploy/tmux/launch.sh restart-drafter CONFIG ID
-#                                                 SIGTERM that drafter, wait for it to checkpoint
-#                                                 and exit, start it again in its window; nothing
-#                                                 else is touched
-#   deploy/tmux/launch.sh stop CONFIG             SIGTERM drafters, then the target, then the sidecar,
-#                                                 waiting for each; then close the session
-#   deploy/tmux/launch.sh logs CONFIG [PROCESS]   tail -F runs/<name>/logs/PROCESS.log (default metrics)
+#                                                 SIGTERM that drafter (all its ranks), wait for it to
+#                                                 checkpoint and exit, start it again in its window;
+#                                                 nothing else is touched
+#   deploy/tmux/launch.sh stop CONFIG             SIGTERM drafters, then the target replicas, then the
+#                                                 sidecar, waiting for each; then close the session
+#   deploy/tmux/launch.sh logs CONFIG [PROCESS]   tail -F runs/<name>/logs/PROCESS.log (default metrics;
+#                                                 e.g. target-2, drafter-g0.1 for rank 1 of g0)
 #   deploy/tmux/launch.sh attach CONFIG
 #
-# Drafter ids are the config's [drafters.<id>] tables. Each process starts
-# through deploy/run_process.sh, so the variables it documents apply here too
-# (DFLASH_VENV, DFLASH_RUN_NAME, DFLASH_*_CUDA_VISIBLE_DEVICES, DFLASH_EXTRA_ARGS);
+# Drafter ids are the config's [drafters.<id>] tables. A drafter whose table has
+# drafter.devices with more than one entry runs as a torchrun group in its window
+# (run_process.sh drafter-group: one rank per device); any other as one process.
+# Each process starts through deploy/run_process.sh, so the variables it documents
+# apply here too (DFLASH_VENV, DFLASH_RUN_NAME, DFLASH_*_CUDA_VISIBLE_DEVICES,
+# DFLASH_DRAFTER_<ID>_NPROC, DFLASH_EXTRA_ARGS; DFLASH_NODE_HOST and
+# DFLASH_NODE_DRAFTERS pick this host's part of a job spanning hosts);
 # DFLASH_ENV_FILE=/etc/dflash/dflash.env reads them from the systemd environment file.
 # DFLASH_TMUX_SESSION names the session (default dflash-<run name>),
 # DFLASH_TMUX_SOCKET picks a separate tmux server (tmux -L), DFLASH_TMUX_ATTACH=0
@@ -28,7 +34,7 @@ RUNNER=$ROOT/deploy/run_process.sh
 me=launch.sh
 
 die() { echo "$me: $*" >&2; exit "${EXIT:-2}"; }
-usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 [ $# -ge 1 ] || usage
 case "$1" in
@@ -61,6 +67,12 @@ fi
 info=$(PYTHONPATH="$ROOT" "$PY" -m tools.runinfo --config "$CONFIG" "${overrides[@]}") || exit 2
 # RUN_NAME RUN_DIR CONTROL_ADDRESS DRAFTER_IDS TARGET_STOP_TIMEOUT_S DRAFTER_STOP_TIMEOUT_S
 eval "$info"
+node_tool() { PYTHONPATH="$ROOT" "$PY" -m deploy.node --config "$CONFIG" "${overrides[@]}" "$@"; }
+info=$(node_tool --shell) || exit 2
+# TARGET_REPLICAS NODE_REPLICAS (this host's) DRAFTER_NPROCS ("id:ranks ...", this host's) NODE_SIDECAR
+eval "$info"
+DRAFTER_IDS=""
+for entry in $DRAFTER_NPROCS; do DRAFTER_IDS+="${DRAFTER_IDS:+ }${entry%:*}"; done
 SESSION=${DFLASH_TMUX_SESSION:-dflash-${RUN_NAME//[^A-Za-z0-9_-]/_}}
 
 if [ "$action" = logs ]; then
@@ -155,29 +167,54 @@ drafter_windows() {
     local id
     for id in $DRAFTER_IDS; do echo "drafter-$id"; done
 }
+target_windows() {
+    local r
+    for r in $NODE_REPLICAS; do
+        if [ "$TARGET_REPLICAS" = 1 ]; then echo target; else echo "target-$r"; fi
+    done
+}
+drafter_nproc() {  # id
+    local entry
+    for entry in $DRAFTER_NPROCS; do
+        if [ "${entry%:*}" = "$1" ]; then echo "${entry##*:}"; return; fi
+    done
+    echo 1
+}
+window_cmd() {  # window name -> the command its pane runs
+    case "$1" in
+        drafter-*)
+            if [ "$(drafter_nproc "${1#drafter-}")" -gt 1 ]; then
+                process_cmd drafter-group "${1#drafter-}"
+            else
+                process_cmd drafter "${1#drafter-}"
+            fi
+            ;;
+        target-*) process_cmd target "${1#target-}" ;;
+        *) process_cmd "$1" ;;
+    esac
+}
 
 case "$action" in
 start)
     if has_session; then
         EXIT=1 die "tmux session $SESSION is already running: attach with 'tmux attach -t $SESSION', stop it with 'make stop'"
     fi
+    node_tool --check --quiet || die "the layout of $CONFIG cannot work (above); 'python -m deploy.node --config $CONFIG --check' lists every process"
     mkdir -p "$RUN_DIR/logs"
     status_cmd="exec $(env_prefix) PYTHONPATH=$(printf '%q' "$ROOT") $(printf '%q ' "$PY" -m tools.status --config "$CONFIG" "${overrides[@]}" --watch 2)"
     tail_cmd="exec tail -n 100 -F $(printf '%q' "$RUN_DIR/logs/metrics.log")"
     tm new-session -d -s "$SESSION" -n overview -x 200 -y 50 -c "$ROOT" "$status_cmd"
     tm split-window -v -l 70% -t "$(win overview)" -c "$ROOT" "$tail_cmd"
     # Start order: sidecar (sees every first record), target, drafters (they wait for the target anyway).
-    windows=(metrics target $(drafter_windows))
+    windows=()
+    if [ "$NODE_SIDECAR" = 1 ]; then windows+=(metrics); fi
+    windows+=($(target_windows) $(drafter_windows))
     for w in "${windows[@]}"; do
         # A placeholder first, so remain-on-exit is set before the real process can exit:
         # a crashed process leaves its last lines on screen and its exit status for `stop`.
         tm new-window -d -t "=$SESSION:" -n "$w" -c "$ROOT" "exec sleep 2147483647"
         tm set-option -w -t "$(win "$w")" remain-on-exit on
-        case "$w" in
-            drafter-*) cmd=$(process_cmd drafter "${w#drafter-}") ;;
-            *) cmd=$(process_cmd "$w") ;;
-        esac
-        tm respawn-pane -k -t "$(win "$w")" -c "$ROOT" "$cmd"
+        tm respawn-pane -k -t "$(win "$w")" -c "$ROOT" "$(window_cmd "$w")"
     done
     tm select-window -t "$(win overview)"
     echo "$me: tmux session $SESSION: windows overview, ${windows[*]}"
@@ -199,7 +236,7 @@ restart-drafter)
     old=$(pane "$w" '#{pane_pid}')
     ok=0
     stop_windows $((DRAFTER_STOP_TIMEOUT_S + 15)) "$w" || ok=1
-    tm respawn-pane -k -t "$(win "$w")" -c "$ROOT" "$(process_cmd drafter "$id")"
+    tm respawn-pane -k -t "$(win "$w")" -c "$ROOT" "$(window_cmd "$w")"
     echo "$me: $w restarted: pid $old -> $(pane "$w" '#{pane_pid}')"
     exit $ok
     ;;
@@ -213,7 +250,8 @@ stop)
     # (so it records everyone's last window).
     # shellcheck disable=SC2046
     stop_windows $((DRAFTER_STOP_TIMEOUT_S + 15)) $(drafter_windows) || ok=1
-    stop_windows $((TARGET_STOP_TIMEOUT_S + 15)) target || ok=1
+    # shellcheck disable=SC2046
+    stop_windows $((TARGET_STOP_TIMEOUT_S + 15)) $(target_windows) || ok=1
     stop_windows 45 metrics || ok=1
     # The overview panes (status, tail) end on SIGTERM; let tmux reap them before the session goes.
     if has_window overview; then

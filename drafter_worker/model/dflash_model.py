@@ -156,6 +156,41 @@ def make_drafter_config(
     and ``sliding_window`` choose sliding-window layers; without ``layer_types``
     every layer is sliding when ``sliding_window > 0``, else full attention.
     """
+    _check_dimensions(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                      num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                      intermediate_size=intermediate_size, vocab_size=vocab_size,
+                      max_position_embeddings=max_position_embeddings, num_hidden_layers=num_hidden_layers,
+                      num_target_layers=num_target_layers)
+    layer_ids = _check_dflash_args(vocab_size=vocab_size, num_target_layers=num_target_layers,
+                                   target_layer_ids=target_layer_ids, block_size=block_size,
+                                   mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size,
+                                   rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+    types = resolve_layer_types(num_hidden_layers, layer_types, sliding_window)
+    config = Qwen3Config(**_qwen3_kwargs(
+        hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim, intermediate_size=intermediate_size, vocab_size=vocab_size, rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta, max_position_embeddings=max_position_embeddings, num_hidden_layers=num_hidden_layers,
+        initializer_range=initializer_range, types=types, sliding_window=sliding_window,
+    ))
+    _set_dflash_attributes(config, block_size=block_size, num_target_layers=num_target_layers,
+                           mask_token_id=mask_token_id, layer_ids=layer_ids, draft_vocab_size=draft_vocab_size)
+    return config
+
+
+def _check_dimensions(
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    num_hidden_layers: int,
+    num_target_layers: int,
+) -> None:
+    """Refuse impossible model sizes with a message naming the setting, before transformers
+    builds a config it would only fail on later (or silently accept)."""
     positive = {
         "hidden_size": hidden_size,
         "num_attention_heads": num_attention_heads,
@@ -177,6 +212,24 @@ def make_drafter_config(
         )
     if head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+
+
+def _check_dflash_args(
+    *,
+    vocab_size: int,
+    num_target_layers: int,
+    target_layer_ids: Sequence[int],
+    block_size: int,
+    mask_token_id: int,
+    draft_vocab_size: int,
+    rope_theta: float,
+    rms_norm_eps: float,
+) -> list[int]:
+    """Refuse DFlash settings the drafter cannot work with; the target layer ids as a list of ints.
+
+    Checked here because a bad block size, mask token or layer id would
+    otherwise surface only as an index error deep in training.
+    """
     if not _is_int(block_size) or block_size < 2:
         raise ValueError(f"block_size must be an int >= 2 (anchor + at least one draft slot), got {block_size!r}")
     if not _is_int(mask_token_id) or not 0 <= mask_token_id < vocab_size:
@@ -191,8 +244,27 @@ def make_drafter_config(
         raise ValueError(f"draft_vocab_size must be an int in [0, vocab_size={vocab_size}], got {draft_vocab_size!r}")
     if float(rope_theta) <= 0 or float(rms_norm_eps) <= 0:
         raise ValueError(f"rope_theta and rms_norm_eps must be positive, got {rope_theta}, {rms_norm_eps}")
-    types = resolve_layer_types(num_hidden_layers, layer_types, sliding_window)
+    return layer_ids
 
+
+def _qwen3_kwargs(
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    rms_norm_eps: float,
+    rope_theta: float,
+    max_position_embeddings: int,
+    num_hidden_layers: int,
+    initializer_range: float,
+    types: list[str],
+    sliding_window: int,
+) -> dict[str, Any]:
+    """The ``Qwen3Config`` arguments of a DFlash drafter (the published checkpoints' layout),
+    with the rope base where the installed transformers expects it."""
     kwargs: dict[str, Any] = dict(
         architectures=[ARCHITECTURE_NAME],
         hidden_size=hidden_size,
@@ -220,7 +292,12 @@ def make_drafter_config(
         kwargs["rope_parameters"] = {"rope_theta": float(rope_theta), "rope_type": "default"}
     else:  # pragma: no cover - transformers 4.x
         kwargs["rope_theta"] = float(rope_theta)
-    config = Qwen3Config(**kwargs)
+    return kwargs
+
+
+def _set_dflash_attributes(config: Qwen3Config, *, block_size: int, num_target_layers: int, mask_token_id: int,
+                           layer_ids: list[int], draft_vocab_size: int) -> None:
+    """Add the attributes the published ``DFlashDraftModel`` reads, so serving engines load the drafter."""
     # Attributes the published DFlashDraftModel reads.  It looks in
     # dflash_config first and then at the top level, so both places agree.
     config.block_size = block_size
@@ -235,7 +312,6 @@ def make_drafter_config(
     # The reference attention would default sliding layers to causal; DFlash
     # blocks are bidirectional, so say so explicitly.
     config.is_causal = False
-    return config
 
 
 # ---------------------------------------------------------------------------
@@ -534,13 +610,7 @@ def dflash_block_loss(
     if loss_gamma <= 0:
         raise ValueError(f"loss_gamma must be positive, got {loss_gamma}")
     bs = drafter.block_size
-    if anchors is None:
-        if num_anchors is None:
-            raise ValueError("pass num_anchors or anchors")
-        anchors, anchor_valid = sample_anchors(loss_mask, lengths, num_anchors, generator)
-    elif anchor_valid is None:
-        anchor_valid = torch.ones(anchors.shape, dtype=torch.bool, device=anchors.device)
-
+    anchors, anchor_valid = _resolve_anchors(loss_mask, lengths, num_anchors, generator, anchors, anchor_valid)
     blocks = build_block_inputs(
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -550,14 +620,67 @@ def dflash_block_loss(
         block_size=bs,
         mask_token_id=drafter.mask_token_id,
     )
+    hidden = _block_hidden(drafter, blocks, features, embed_weight, anchors)
+    loss, hits = _weighted_slot_loss(drafter, hidden, blocks, lm_head_weight, loss_gamma, loss_impl)
+    return _block_loss_output(loss, hits, blocks.label_valid)
+
+
+def _resolve_anchors(
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    num_anchors: int | None,
+    generator: torch.Generator | None,
+    anchors: torch.Tensor | None,
+    anchor_valid: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's anchors and their validity: sampled, or the given ones (all valid by default).
+
+    Callers that fix anchors (tests, evaluation) skip sampling but get the
+    same ``(anchors, anchor_valid)`` pair the rest of the loss expects.
+    """
+    if anchors is None:
+        if num_anchors is None:
+            raise ValueError("pass num_anchors or anchors")
+        anchors, anchor_valid = sample_anchors(loss_mask, lengths, num_anchors, generator)
+    elif anchor_valid is None:
+        anchor_valid = torch.ones(anchors.shape, dtype=torch.bool, device=anchors.device)
+    return anchors, anchor_valid
+
+
+def _block_hidden(
+    drafter: DFlashDrafter,
+    blocks: BlockInputs,
+    features: torch.Tensor,
+    embed_weight: torch.Tensor,
+    anchors: torch.Tensor,
+) -> torch.Tensor:
+    """Drafter outputs ``[B, N, bs, H]`` for every block, from one forward pass over all of a row's blocks.
+
+    Everything runs in the drafter's dtype, so a bf16 drafter is fed bf16
+    features and embeddings whatever the target produced.
+    """
     dtype = drafter.fc.weight.dtype
     noise = F.embedding(blocks.block_ids, embed_weight).to(dtype)
     hidden = drafter(features.to(dtype), noise, blocks.position_ids, blocks.attention_mask)
-
     bsz, num = anchors.shape
-    hidden = hidden.view(bsz, num, bs, -1)
+    return hidden.view(bsz, num, drafter.block_size, -1)
+
+
+def _weighted_slot_loss(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    blocks: BlockInputs,
+    lm_head_weight: torch.Tensor,
+    loss_gamma: float,
+    loss_impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, hits)``: the slot-weighted mean cross-entropy and the argmax hits of slots 1.. ``[B, N, bs-1]``.
+
+    Goes through the fused LM-head loss so the vocabulary-sized logits are
+    never materialised; hits of tokens outside a draft vocabulary are zeroed.
+    """
     head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
-    weights = _slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid
+    weights = _slot_weights(drafter.block_size, float(loss_gamma), hidden.device) * blocks.label_valid
     weights = weights[:, :, 1:] if in_vocab is None else weights[:, :, 1:] * in_vocab
     # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
     # Fused (drafter.loss_impl auto/chunked/triton): never builds the [N, V] logits.
@@ -565,9 +688,13 @@ def dflash_block_loss(
     if in_vocab is not None:
         hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
     loss = loss_sum / weight_sum.clamp(min=1e-6)
+    return loss, hits
 
+
+def _block_loss_output(loss: torch.Tensor, hits: torch.Tensor, label_valid: torch.Tensor) -> BlockLossOutput:
+    """The loss with its per-slot accuracy counters, computed without grad (they are only logged)."""
     with torch.no_grad():
-        valid = blocks.label_valid.float()
+        valid = label_valid.float()
         count_per_pos = valid.sum(dim=(0, 1))
         correct_per_pos = torch.zeros_like(count_per_pos)
         correct_per_pos[1:] = (hits * valid[:, :, 1:]).sum(dim=(0, 1))

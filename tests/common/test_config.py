@@ -34,9 +34,40 @@ def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
 
 def test_defaults_validate_and_equal_an_empty_load():
     cfg = Config()
-    assert cfg.drafter.group == cfg.drafter.id  # empty group defaults to the id
     assert load_config() == cfg
     assert load_config(None, ()) == cfg
+
+
+def test_each_replica_gets_its_address_store_port_and_device():
+    cfg = load_config(None, ["target.replicas=3", 'target.devices=["cuda:0", "cuda:1", "cuda:2"]',
+                             'control.address="tcp://10.0.0.1:6000"', "control.store_port=6001"])
+    r2 = cfg.for_replica(2)
+    assert (r2.target.replica, r2.control.address, r2.control.store_port, r2.target.device) == (
+        2, "tcp://10.0.0.1:6200", 6201, "cuda:2")
+    assert [cfg.replica_address(r) for r in range(3)] == [f"tcp://10.0.0.1:{6000 + 100 * r}" for r in range(3)]
+    listed = load_config(None, ["target.replicas=2", 'control.replica_addresses=["tcp://a:1", "tcp://b:2"]'])
+    assert listed.for_replica(1).control.address == "tcp://b:2"
+    assert listed.shared_hash() != load_config().shared_hash()  # drafters and targets agree on the replica count
+    two = ["target.replicas=2"]
+    assert load_config(None, [*two, "target.replica=1"]).shared_hash() == load_config(None, two).shared_hash()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["target.replicas=2", "target.replica=2"], "target.replica"),
+    (["target.replicas=2", 'control.replica_addresses=["tcp://a:1"]'], "control.replica_addresses"),
+    (["target.replicas=2", 'target.devices=["cpu"]'], "target.devices"),
+])
+def test_replica_settings_that_cannot_work_are_refused(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_a_torchrun_rank_takes_its_device_by_local_rank():
+    assert load_config(None, ['drafter.device="cuda"']).for_local_rank(2).drafter.device == "cuda:2"
+    listed = load_config(None, ['drafter.devices=["cuda:5", "cuda:6", "cuda:7"]'])
+    assert listed.for_local_rank(1).drafter.device == "cuda:6"
+    with pytest.raises(ConfigError, match="LOCAL_RANK is 3"):
+        listed.for_local_rank(3)
 
 
 def test_empty_file_gives_defaults(tmp_path):
@@ -61,7 +92,6 @@ def test_demo_toml_loads():
 def test_demo_toml_second_drafter_table():
     cfg = load_config(DEMO, ["drafter.id=d1"])
     assert cfg.drafter.id == "d1"
-    assert cfg.drafter.group == "d1"
     assert cfg.drafter.learning_rate == pytest.approx(3e-4)
     assert cfg.drafter.seed == 1
     # Keys the per-drafter table does not name come from [drafter].

@@ -80,11 +80,11 @@ def test_head_dtype_keeps_the_wire_dtype_on_cuda_and_fp32_on_cpu():
 
 
 def test_receiver_thread_binds_its_device(set_device_calls, monkeypatch):
-    from drafter_worker import worker
+    from drafter_worker import data_plane
 
     # The receiver's stream stays a CPU no-op; everything else is the real thread.
-    monkeypatch.setattr(worker, "SideStream", lambda device: SideStream(torch.device("cpu")))
-    receiver = worker.Receiver(None, None, timeout_s=1.0, device=GPU1)
+    monkeypatch.setattr(data_plane, "SideStream", lambda device: SideStream(torch.device("cpu")))
+    receiver = data_plane.Receiver(None, device=GPU1)
     receiver.start()
     receiver.stop()
     receiver.join(10)
@@ -92,14 +92,18 @@ def test_receiver_thread_binds_its_device(set_device_calls, monkeypatch):
     assert set_device_calls == [("receiver", GPU1)]
 
 
-def test_drafter_main_thread_binds_its_device(set_device_calls):
+def test_drafter_main_thread_binds_its_device(set_device_calls, tmp_path):
+    from common.config import load_config
     from drafter_worker.worker import DrafterWorker
 
-    stop = threading.Event()
-    stop.set()  # the loop ends at once: only the binding before it runs
-    fake = types.SimpleNamespace(device=GPU1, _stop=stop, trainer=None, outcome="running")
-    _in_thread("drafter-main", DrafterWorker.run, fake)
-    assert fake.outcome == "stopped"
+    worker = DrafterWorker(load_config(None, [f'run.root_dir="{tmp_path}"']))
+    worker.device = GPU1  # only bound, never used: the loop ends at its first round
+    worker.request_stop()
+    try:
+        _in_thread("drafter-main", worker.run)
+    finally:
+        worker.close()
+    assert worker.outcome == "stopped"
     assert set_device_calls == [("drafter-main", GPU1)]
 
 

@@ -9,12 +9,13 @@ producers and consumers must not spell a defined name as a string literal.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 from common import metric_names as names
-from common.metric_names import Drafter, Eval, Family, Pipeline, Sidecar, Target
+from common.metric_names import Drafter, Eval, Family, Pipeline, Ranks, Sidecar, Target
 from tests.conftest import ROOT
 from tests.integration.catalog import catalog_tables
 
@@ -28,6 +29,7 @@ PRODUCERS_AND_CONSUMERS = (
     "metrics_sidecar/__main__.py",
     "metrics_sidecar/aggregate.py",
     "metrics_sidecar/jsonl_log.py",
+    "metrics_sidecar/ranks.py",
     "metrics_sidecar/sidecar.py",
     "metrics_sidecar/wandb_layout.py",
     "metrics_sidecar/wandb_reader.py",
@@ -65,6 +67,24 @@ def test_catalog_lists_exactly_the_defined_names(section, group, strip):
     assert set(defined) - set(listed) == set(), f"in common/metric_names.py but not in docs/metrics.md ({section!r})"
 
 
+def _section_table(title: str) -> list[str]:
+    """The series the table of the docs/metrics.md section whose heading starts with `title` lists."""
+    listed: list[str] = []
+    inside = False
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        if line.startswith("## "):
+            inside = line[3:].startswith(title)
+        elif inside and line.startswith("| `"):
+            listed.extend(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    return listed
+
+
+def test_catalog_lists_the_multi_rank_series():
+    # A section of its own: a job of one-process drafters (tests/integration) never logs these.
+    listed = _section_table("Drafters trained by several ranks")
+    assert listed and sorted(listed) == sorted(_catalog_form(Ranks))
+
+
 def test_names_are_distinct_within_a_group_and_full_names_carry_their_prefix():
     for group in names.GROUPS:
         spelled = _catalog_form(group)
@@ -72,6 +92,7 @@ def test_names_are_distinct_within_a_group_and_full_names_carry_their_prefix():
     assert all(n.startswith(names.EVAL_PREFIX) for n in _catalog_form(Eval))
     assert all(n.startswith(names.PIPELINE_PREFIX) for n in _catalog_form(Pipeline))
     assert all(n.startswith(names.SIDECAR_PREFIX) for n in _catalog_form(Sidecar))
+    assert all(n.startswith(names.PIPELINE_PREFIX) for n in _catalog_form(Ranks))
     assert not any(n.startswith(names.EVAL_PREFIX) for n in _catalog_form(Drafter))  # eval-only records stay eval-only
 
 
@@ -82,11 +103,17 @@ def test_families_build_and_parse():
     assert names.DRAFTER_SOURCE("d0") == "drafter/d0" and names.DRAFTER_SOURCE.parse("drafter/d0") == "d0"
     assert names.DRAFTER_SOURCE.parse("drafter/d0/x") is None and names.DRAFTER_SOURCE.parse("drafter/") is None
     assert Drafter.ACC_POS.parse("acc/pos_x") is None and Drafter.ACC_POS.parse("loss") is None
+    assert names.RANK_SOURCE("d0.1") == "rank/d0.1" and names.RANK_SOURCE.parse("rank/d.0.1") == "d.0.1"
+    assert names.RANK_SOURCE.parse("rank/d0") is None and names.RANK_SOURCE.parse("rank/d0/x.1") is None
+    assert names.TARGET_REPLICA_SOURCE.parse("target/1") == "1" and names.TARGET_REPLICA_SOURCE.parse("target/x") is None
+    assert names.drafter_source("d0", 0, 1) == "drafter/d0" and names.drafter_source("d0", 1, 2) == "rank/d0.1"
+    assert names.target_source(0, 1) == "target" and names.target_source(1, 2) == "target/1"
+    assert Ranks.SKEW("d0") == "pipeline/rank_skew/d0" and Ranks.SKEW.parse("pipeline/rank_skew/d0") == "d0"
 
 
 def _defined() -> tuple[set[str], tuple[str, ...], list[Family]]:
     """Plain names (sources included), prefixes, families."""
-    families = [names.DRAFTER_SOURCE]
+    families = [names.DRAFTER_SOURCE, names.TARGET_REPLICA_SOURCE, names.RANK_SOURCE]
     plain = {names.TARGET_SOURCE, names.PIPELINE_SOURCE, names.SIDECAR_SOURCE}
     for group in names.GROUPS:
         for m in names.members(group):

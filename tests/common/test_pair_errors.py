@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from common.transport import DRAFTER_RANK, TARGET_RANK, PairGroup, TransportError, connect_store, host_store
-from drafter_worker.worker import Receiver
+from drafter_worker.data_plane import PairAttachment, Receiver
 from target_server.link import DrafterLink
 from tests.ports import free_ports
 
@@ -229,7 +229,7 @@ def test_stop_does_not_block_on_abort(store_port):
 def test_receiver_failure_at_issue_is_put_on_ready(store_port, exc):
     target, drafter = _pair_of_two(store_port)
     drafter._pg = _FailingGroup(drafter._pg, exc)
-    receiver = Receiver(drafter, timeout_s=TIMEOUT_S)
+    receiver = Receiver(PairAttachment(drafter))
     receiver.start()
     try:
         meta = SimpleNamespace(nbytes=8, tag=1)
@@ -246,7 +246,7 @@ def test_receiver_failure_at_issue_is_put_on_ready(store_port, exc):
 
 def test_receiver_unexpected_error_is_put_on_ready(store_port):
     target, drafter = _pair_of_two(store_port)
-    receiver = Receiver(drafter, timeout_s=TIMEOUT_S)
+    receiver = Receiver(PairAttachment(drafter))
     receiver.start()
     try:
         receiver.inbox.put((SimpleNamespace(tag=1), torch.zeros(8), None))  # no nbytes: AttributeError

@@ -15,8 +15,9 @@ from common.protocol import MESSAGE_TYPES, PROTOCOL_VERSION, ProtocolError, deco
 # One valid instance per message type, with every field set (non-default values).
 SAMPLES: dict[str, P.Message] = {
     "HELLO": P.Hello(
-        drafter_id="d0", group="g0", config_hash="0123456789abcdef", transport="gloo", pid=4242,
-        covered_watermark=17, covered_extra=[19, 23], step=40, auth="e" * 64,
+        drafter_id="d0", config_hash="0123456789abcdef", transport="gloo", pid=4242, rank=1, world_size=3,
+        generation=5, replica=2, topology_id="c" * 16, covered_watermark=17, covered_extra=[19, 23], step=40,
+        need_weights=False, auth="e" * 64,
         gpu_uuid="GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
     ),
     "WELCOME": P.Welcome(
@@ -29,6 +30,7 @@ SAMPLES: dict[str, P.Message] = {
         shm_name="dflash.42.ring.d0.3", shm_slot_bytes=[1024, 2048, 4096], shm_slots_per_bucket=4,
         shm_weights_name="dflash.42.weights", plan_batches=300, batches_per_epoch=100, token_ranking=[5, 3, 9],
         train_samples=1000, data_fingerprint="ab" * 16, gpu_uuid="GPU-9f8e7d6c-5b4a-3928-1706-f5e4d3c2b1a0",
+        replica=2, replicas=5, plan_fingerprint="d" * 16, topology_id="c" * 16,
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
@@ -43,7 +45,7 @@ SAMPLES: dict[str, P.Message] = {
     "STATUS_REQUEST": P.StatusRequest(auth="f" * 64),
     "STATUS": P.Status(
         uptime_s=12.5, tokens_per_s=3000.25, queue_depth=3, bucket_depths=[1, 2, 0],
-        drafters=[P.DrafterStatus(id="d0", group="g0", epoch=2, pid=77, step=5, checkpoint_step=4, inflight=1,
+        drafters=[P.DrafterStatus(id="d0", rank=1, generation=5, epoch=2, pid=77, step=5, checkpoint_step=4, inflight=1,
                                   heartbeat_age_s=0.25, state="training")],
     ),
 }
@@ -401,7 +403,11 @@ def test_protocol_error_carries_code_and_message():
     ("HELLO", {"pid": 2**31}),
     ("HELLO", {"pid": 0}),
     ("HELLO", {"drafter_id": "x" * 65}),
-    ("HELLO", {"group": "../etc"}),
+    ("HELLO", {"rank": 3}),  # not below world_size
+    ("HELLO", {"world_size": 0}),
+    ("HELLO", {"generation": -1}),
+    ("HELLO", {"replica": 5000}),
+    ("WELCOME", {"replica": 5}),  # not below replicas
     ("HELLO", {"config_hash": "h" * 300}),
     ("HELLO", {"step": -5}),
     ("REQUEST", {"credits": 10**6}),

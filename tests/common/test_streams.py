@@ -18,7 +18,7 @@ from common import protocol as P
 from common.packing import BatchLayout
 from common.shm_transport import SHM_DIR, ShmRing, segment_name, unlink_segment
 from common.streams import SideStream, record_current, wait_current
-from drafter_worker.worker import Receiver
+from drafter_worker.data_plane import PoolAttachment, Receiver
 
 CUDA = torch.cuda.is_available()
 LAYOUT = BatchLayout(2, 16, 8, torch.float32)
@@ -46,7 +46,7 @@ def _ring_receiver(device: torch.device):
     name = segment_name("test-streams", uuid.uuid4().hex[:8])
     owner = ShmRing.create(name, [LAYOUT.nbytes], 2)
     reader = ShmRing.attach(name, [LAYOUT.nbytes], 2)
-    receiver = Receiver(None, reader, timeout_s=10.0, device=device)
+    receiver = Receiver(PoolAttachment(reader, timeout_s=10.0), device=device)
     receiver.start()
     return name, owner, reader, receiver
 

@@ -102,6 +102,22 @@ def test_restart_runs_the_same_command_and_appends_to_its_console(tmp_path):
     assert os.environ.get("GREETING") is None  # the job's environment is its own
 
 
+def test_start_all_starts_the_sidecar_the_target_then_each_drafter_with_its_watcher(tmp_path, monkeypatch):
+    with Job("job.toml", tmp_path / "run", overrides=["run.seed=1"]) as job:
+        started = []
+        monkeypatch.setattr(job, "start_command",
+                            lambda name, argv, *, log_name=None: started.append((name, list(argv), log_name)))
+        job.start_all(["d0", "d1"], eval_watch_args=["--every-s", "5"])
+        assert [name for name, _, _ in started] == ["metrics", "target", "d0", "eval-d0", "d1", "eval-d1"]
+        job_args = ["--config", "job.toml", "--set=run.seed=1"]
+        assert started[0] == ("metrics", [sys.executable, "-m", "metrics_sidecar", *job_args], None)
+        assert started[2] == ("d0", [sys.executable, "-m", "drafter_worker", *job_args, "--id", "d0"], "drafter-d0")
+        assert started[3][1][-2:] == ["--every-s", "5"]
+        started.clear()
+        job.start_all(["d0"])  # no watchers
+        assert [name for name, _, _ in started] == ["metrics", "target", "d0"]
+
+
 def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):
     path = tmp_path / "metrics.jsonl"
     assert read_jsonl(path) == []

@@ -27,7 +27,7 @@ def one_step(model: DFlashDrafter, optimizer: torch.optim.Optimizer) -> None:
 
 
 def state(step: int, coverage: Coverage | None = None) -> TrainerState:
-    return TrainerState(step=step, coverage=coverage or Coverage(), drafter_id="d0", group="g0",
+    return TrainerState(step=step, coverage=[coverage or Coverage()], drafter_id="d0",
                         model_id="tiny", tokens_trained=step * 100)
 
 
@@ -158,8 +158,8 @@ def test_resaving_a_step_replaces_it(tmp_path):
     gen = torch.Generator().manual_seed(0)
     store = CheckpointStore(tmp_path, "d0", keep=3)
     store.save(state(5), model, optimizer, gen)
-    store.save(TrainerState(5, Coverage(9), "d0", "g0", "tiny"), model, optimizer, gen)
-    assert store.read_state(store.latest()).coverage.watermark == 9
+    store.save(TrainerState(5, [Coverage(9)], "d0", "tiny"), model, optimizer, gen)
+    assert store.read_state(store.latest()).coverage[0].watermark == 9
 
 
 def test_leftover_tmp_directory_does_not_confuse_latest(tmp_path):
@@ -330,7 +330,7 @@ def test_trainer_state_of_an_older_checkpoint_has_no_data_identity(tmp_path):
     (path / "trainer_state.json").write_text(json.dumps(data))
     st = store.read_state(path)
     assert (st.train_samples, st.data_fingerprint, st.batches_per_epoch) == (0, "", 0)
-    full = TrainerState(3, Coverage(2), "d0", "g0", "tiny", 300, train_samples=8, data_fingerprint="abc",
+    full = TrainerState(3, [Coverage(2)], "d0", "tiny", 300, train_samples=8, data_fingerprint="abc",
                         batches_per_epoch=4)
     store.save(full, model, make_optimizer(cfg, model), torch.Generator())
     assert store.read_state(store.latest()) == full

@@ -23,7 +23,7 @@ def batch(i: int) -> P.Batch:
 
 def connection(credits: int = 2, max_steps: int = 0, steps_per_batch: int = 1) -> Connection:
     return Connection(credits=credits, steps_per_batch=steps_per_batch, max_steps=max_steps, heartbeat_interval_s=1.0,
-                      heartbeat_timeout_s=10.0, group="g", now=0.0)
+                      heartbeat_timeout_s=10.0, label="target", now=0.0)
 
 
 def test_handshake_replies():

@@ -72,7 +72,7 @@ def test_init_from_an_export_starts_training_from_its_weights(tmp_path):
         assert worker.trainer.step == 0 and worker.state.init_from == str(exported.resolve())
         assert worker.state.data_fingerprint == "f" * 16
         # The checkpoint it writes is a plain drafter checkpoint that records where it started.
-        state = TrainerState(3, Coverage(), "d0", "d0", "tiny", init_from=worker.state.init_from)
+        state = TrainerState(3, [Coverage()], "d0", "tiny", init_from=worker.state.init_from)
         CheckpointStore(tmp_path / "w", "d0", keep=2, writer=True).save(
             state, model, worker.trainer.optimizer, torch.Generator())
         saved = tmp_path / "w" / "checkpoints" / "d0" / "step-3"
@@ -87,7 +87,7 @@ def test_init_from_a_bfloat16_export_of_a_run(tmp_path):
     source = trained_drafter(draft_vocab_size=16)
     source.set_draft_vocab(torch.arange(16) * 3)
     first = tmp_path / "first"
-    CheckpointStore(first, "d0", keep=1).save(TrainerState(9, Coverage(), "d0", "d0", "tiny"), source,
+    CheckpointStore(first, "d0", keep=1).save(TrainerState(9, [Coverage()], "d0", "tiny"), source,
                                               make_optimizer(load_config().drafter, source), torch.Generator())
     exported = export_drafter(first / "checkpoints" / "d0" / "step-9", tmp_path / "exported", dtype="bfloat16")
     worker = make_worker(tmp_path, exported)
@@ -176,7 +176,7 @@ def test_sharded_weights_load(tmp_path):
 def test_a_resume_wins_over_init_from(tmp_path):
     own = trained_drafter(seed=1, layer_types=None, sliding_window=0, num_hidden_layers=1)
     CheckpointStore(tmp_path / "w", "d0", keep=1, writer=True).save(
-        TrainerState(5, Coverage(), "d0", "d0", "tiny", data_fingerprint="f" * 16), own,
+        TrainerState(5, [Coverage()], "d0", "tiny", data_fingerprint="f" * 16), own,
         make_optimizer(load_config().drafter, own), torch.Generator())
     exported = tmp_path / "exported"
     save_drafter(exported, trained_drafter(seed=2), with_code=True)

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from common import protocol as P
+from tests import messages
 from common.auth import auth_dir, hello_proof, read_key, status_credential
 from common.config import load_config
 from common.shm_transport import SHM_DIR, sweep_stale
@@ -84,7 +85,7 @@ def _still_training(job, what: str) -> None:
 
 
 def _hello(job, drafter_id: str, *, auth: str | None = None, **fields) -> bytes:
-    body = msgpack.unpackb(P.Hello(drafter_id, drafter_id, job.cfg.shared_hash(), "shm", 1234).encode())
+    body = msgpack.unpackb(messages.hello(drafter_id, job.cfg.shared_hash(), "shm", pid=1234).encode())
     body["auth"] = hello_proof(job.key, drafter_id) if auth is None else auth
     body.update(fields)
     return msgpack.packb(body)

@@ -28,8 +28,9 @@ from tests.messages import welcome
 from common.config import DrafterConfig, load_config
 from deploy.launcher import Job
 from drafter_worker import checkpoint
+from drafter_worker import model_setup
 from drafter_worker.checkpoint import (
-    CheckpointStore, Coverage, Ledger, TrainerState, read_lineage, verify_group, verify_lineage,
+    CheckpointStore, Coverage, Ledger, TrainerState, ledger_name, read_lineage, verify_lineage,
 )
 from drafter_worker.trainer import make_optimizer
 from tests.conftest import ROOT
@@ -58,7 +59,7 @@ def samples_of(batch: int) -> list[int]:
 
 
 def new_state(drafter_id: str = "d0") -> TrainerState:
-    return TrainerState(0, Coverage(), drafter_id, "g0", "tiny", train_samples=TRAIN_SAMPLES,
+    return TrainerState(0, [Coverage()], drafter_id, "tiny", train_samples=TRAIN_SAMPLES,
                         data_fingerprint=FINGERPRINT, batches_per_epoch=BATCHES_PER_EPOCH)
 
 
@@ -66,7 +67,7 @@ def train(ledger: Ledger, state: TrainerState, batches) -> None:
     """What the worker records per trained batch (one step each)."""
     for batch in batches:
         state.step += 1
-        state.coverage.add(batch)
+        state.coverage[0].add(batch)
         ledger.trained(state.step, batch, batch // BATCHES_PER_EPOCH, samples_of(batch))
 
 
@@ -101,7 +102,7 @@ def resume_train_save(run_dir: Path, drafter: Drafter) -> None:
     latest = store.latest()
     state = new_state() if latest is None else store.read_state(latest)
     ledger.resumed(state.step)
-    train(ledger, state, range(state.coverage.watermark, state.coverage.watermark + 5))
+    train(ledger, state, range(state.coverage[0].watermark, state.coverage[0].watermark + 5))
     drafter.checkpoint(store, ledger, state)
 
 
@@ -330,7 +331,7 @@ def test_the_worker_keeps_its_checkpoint_step_and_stops_after_repeated_save_fail
 
         def step(batch: int) -> None:
             worker.trainer.step += 1
-            worker.state.coverage.add(batch)
+            worker.state.coverage[0].add(batch)
             worker.ledger.trained(worker.trainer.step, batch, 0, samples_of(batch))
 
         step(0)
@@ -529,12 +530,12 @@ def test_an_older_checkpoint_without_a_fingerprint_adopts_the_targets(tmp_path):
     drafter = Drafter()
     run_dir = tmp_path / "w"
     store, ledger = CheckpointStore(run_dir, "d0", keep=2), Ledger(run_dir, "d0")
-    state = TrainerState(0, Coverage(), "d0", "d0", "tiny")
+    state = TrainerState(0, [Coverage()], "d0", "tiny")
     train(ledger, state, range(2))
     drafter.checkpoint(store, ledger, state)
     worker = _worker(tmp_path)
     try:
-        worker._check_data(_welcome(FINGERPRINT), "checkpoint")
+        model_setup.check_data(worker.state, _welcome(FINGERPRINT), "checkpoint")
         assert (worker.state.data_fingerprint, worker.state.train_samples) == (FINGERPRINT, TRAIN_SAMPLES)
     finally:
         worker.close()
@@ -552,7 +553,7 @@ def _lineage(run_dir: Path, drafter_id: str, batches, drop_sample: int | None = 
     ledger.resumed(0)
     for batch in batches:
         state.step += 1
-        state.coverage.add(batch)
+        state.coverage[0].add(batch)
         samples = [s for s in samples_of(batch) if not (batch < BATCHES_PER_EPOCH and s == drop_sample)]
         ledger.trained(state.step, batch, batch // BATCHES_PER_EPOCH, samples)
     drafter.checkpoint(store, ledger, state)
@@ -572,24 +573,49 @@ def test_a_batch_the_checkpoint_counts_but_no_ledger_holds_is_reported(tmp_path)
     _lineage(tmp_path, "d0", range(BATCHES_PER_EPOCH))
     store = CheckpointStore(tmp_path, "d0", keep=1)
     state = store.read_state(store.latest())
-    state.coverage = Coverage(BATCHES_PER_EPOCH + 1)  # claims a batch it never recorded
+    state.coverage = [Coverage(BATCHES_PER_EPOCH + 1)]  # claims a batch it never recorded
     Drafter().checkpoint(store, Ledger(tmp_path, "d0"), state)
     problems = " ".join(verify_lineage(tmp_path, "d0").problems)
     assert "are in no ledger (lost): [6]" in problems
 
 
-def test_a_group_splitting_the_stream_is_clean_only_over_its_union(tmp_path):
-    batches = range(BATCHES_PER_EPOCH + 2)
-    _lineage(tmp_path, "d0", [b for b in batches if b % 2 == 0])
-    _lineage(tmp_path, "d1", [b for b in batches if b % 2 == 1])
-    alone = verify_lineage(tmp_path, "d0")
-    assert not alone.ok and "samples never trained" in alone.problems[0]
-    group = verify_group(tmp_path, ["d0", "d1"])
-    assert group.ok and group.finished_epochs == [0], group.problems
-    assert group.batches == BATCHES_PER_EPOCH + 2 and group.final_steps == {"d0": 4, "d1": 4}
-    # Both members training the same batch is caught over the union.
-    _lineage(tmp_path, "d1", [b for b in batches if b % 2 == 1 or b == 2])
-    assert "batches trained twice: [2]" in verify_group(tmp_path, ["d0", "d1"]).problems
+def _ranks_lineage(run_dir: Path, rounds: list[tuple[int | None, int | None]], replicas: int = 2) -> None:
+    """Two ranks of one drafter over ``replicas`` target replicas; each round is (rank 0's batch, rank 1's
+    batch), None for a zero-gradient step. Rank 0 writes the checkpoint with the drafter's coverage."""
+    store = CheckpointStore(run_dir, "d0", keep=1, writer=True)
+    ledgers = [Ledger(run_dir, ledger_name("d0", r, 2)) for r in range(2)]
+    state = new_state()
+    state.coverage, state.world_size = [Coverage() for _ in range(replicas)], 2
+    for ledger in ledgers:
+        ledger.resumed(0)
+    for batches in rounds:
+        state.step += 1
+        for rank, batch in enumerate(batches):
+            if batch is None:
+                ledgers[rank].idle(state.step, state.step)
+                continue
+            if batch // replicas not in state.coverage[batch % replicas]:  # a batch trained twice is covered once
+                state.coverage[batch % replicas].add(batch // replicas)
+            ledgers[rank].trained(state.step, batch, batch // BATCHES_PER_EPOCH, samples_of(batch), rank=rank)
+    for ledger in ledgers[1:]:
+        ledger.make_durable()
+    Drafter().checkpoint(store, ledgers[0], state)
+
+
+def test_the_ranks_of_a_drafter_are_checked_over_all_their_ledgers_and_replicas(tmp_path):
+    # Replica 1 (odd indices) runs ahead of replica 0; rank 1's stream ends first (a zero-gradient step).
+    rounds = [(0, 1), (3, 2), (5, 4), (None, 6), (7, None)]
+    _ranks_lineage(tmp_path / "ok", rounds)
+    report = verify_lineage(tmp_path / "ok", "d0")
+    assert report.ok and report.finished_epochs == [0] and report.world_size == 2, report.problems
+    assert report.batches == BATCHES_PER_EPOCH + 2 and report.samples_per_epoch == {0: TRAIN_SAMPLES, 1: 4}
+    # Two ranks training one batch, and a step rank 1's ledger lacks, are both caught.
+    _ranks_lineage(tmp_path / "twice", [(0, 1), (3, 2), (5, 4), (6, 6), (7, None)])
+    problems = " ".join(verify_lineage(tmp_path / "twice", "d0").problems)
+    assert "batches trained twice: [6]" in problems
+    (tmp_path / "twice" / "ledger" / "d0.rank1.jsonl").write_text('{"kind": "resume", "from_step": 0}\n')
+    problems = " ".join(verify_lineage(tmp_path / "twice", "d0").problems)
+    assert "d0.rank1: durable steps missing from the ledger: [1, 2, 3, 4, 5]" in problems
 
 
 def test_a_slow_save_keeps_heartbeating_and_its_failure_still_counts(tmp_path, monkeypatch):
@@ -600,7 +626,7 @@ def test_a_slow_save_keeps_heartbeating_and_its_failure_still_counts(tmp_path, m
         worker.state = new_state()
         worker.trainer = SimpleNamespace(model=drafter.model, optimizer=drafter.optimizer,
                                          generator=drafter.generator, step=1)
-        worker.state.coverage.add(0)
+        worker.state.coverage[0].add(0)
         worker.ledger.trained(1, 0, 0, samples_of(0))
         real_save = worker.checkpoints.save
         released = threading.Event()
@@ -617,12 +643,13 @@ def test_a_slow_save_keeps_heartbeating_and_its_failure_still_counts(tmp_path, m
                 released.set()  # the save ends only after five heartbeats went out meanwhile
 
         monkeypatch.setattr(worker.checkpoints, "save", slow_save)
-        worker._checkpoint(heartbeat=heartbeat, heartbeat_every_s=0.02)
+        monkeypatch.setattr(worker, "_pump", lambda links, wait_ms: heartbeat())  # what keeps the targets hearing
+        worker._checkpoint()
         assert len(beats) >= 5 and worker._checkpoint_step == 1
 
         monkeypatch.setattr(worker.checkpoints, "save", lambda *a: enospc(None, a))
         worker.trainer.step = 2
-        worker._checkpoint(heartbeat=heartbeat, heartbeat_every_s=0.02)  # the error crosses the thread
+        worker._checkpoint()  # the error crosses the thread
         assert worker._checkpoint_step == 1 and worker._save_failures == 1
     finally:
         worker.close()

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from common import protocol as P
+from tests import messages
 from common.config import load_config
 from deploy.launcher import Job
 from tests.fixtures import write_config
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _hostile_frames(rng: random.Random, config_hash: str) -> list[list[bytes]]:
-    valid = P.Hello("fuzz", "fuzz", config_hash, "gloo", 1).encode()
+    valid = messages.hello("fuzz", config_hash).encode()
     frames: list[list[bytes]] = []
     for i in range(400):
         kind = i % 10
@@ -37,7 +38,7 @@ def _hostile_frames(rng: random.Random, config_hash: str) -> list[list[bytes]]:
         elif kind == 4:
             frames.append([msgpack.packb({"type": "HELLO", "v": rng.choice([0, 2, "1", True, None])})])
         elif kind == 5:
-            body = {"type": "HELLO", "v": P.PROTOCOL_VERSION, "drafter_id": rng.choice(["", "x" * 500, "../etc", 7]), "group": "g",
+            body = {"type": "HELLO", "v": P.PROTOCOL_VERSION, "drafter_id": rng.choice(["", "x" * 500, "../etc", 7]), "rank": rng.choice([-1, 5, "0"]),
                     "config_hash": config_hash, "transport": "gloo", "pid": 1}
             frames.append([msgpack.packb(body)])
         elif kind == 6:
@@ -47,7 +48,7 @@ def _hostile_frames(rng: random.Random, config_hash: str) -> list[list[bytes]]:
         elif kind == 8:
             frames.append([msgpack.packb(msgpack.ExtType(1, b"\x80\x04pickle"))])
         else:
-            frames.append([P.Hello("fuzz", "fuzz", "wrong-hash", "gloo", 1).encode()])
+            frames.append([messages.hello("fuzz", "wrong-hash").encode()])
     return frames
 
 
@@ -84,7 +85,7 @@ def test_target_survives_fuzzing_and_serves_a_fresh_drafter(tmp_path, tiny_llama
             flood.setsockopt(zmq.LINGER, 0)
             flood.connect(cfg.control.address)
             for i in range(30):
-                flood.send(P.Hello(f"flood{i}", f"flood{i}", cfg.shared_hash(), "gloo", 1).encode())
+                flood.send(messages.hello(f"flood{i}", cfg.shared_hash()).encode())
             attackers.append(flood)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:

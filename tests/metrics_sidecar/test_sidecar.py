@@ -110,9 +110,12 @@ def test_pipeline_aggregates_over_live_drafters():
         "pipeline/loss_min": 2.0,
         "pipeline/loss_max": 4.0,
         "pipeline/drafter_tokens_per_s": 800.0,
+        "pipeline/num_targets": 1,
+        "pipeline/target_tokens_per_s": 1100.0,
+        "pipeline/supply_ratio": 1100.0 / 800.0,
     }
     assert view.slowest == "d1" and view.stale == ("d2",)
-    assert pipeline_aggregates({}, 0.0, 60.0).values == {"pipeline/num_drafters": 0}
+    assert pipeline_aggregates({}, 0.0, 60.0).values == {"pipeline/num_drafters": 0, "pipeline/num_targets": 0}
 
 
 def test_window_row_has_latest_values_of_sources_seen_in_window():

@@ -67,7 +67,7 @@ class MemoryPlane:
         self.reader_alive = reader_alive
         self.endpoints: list[MemoryEndpoint] = []
 
-    def endpoint(self, drafter_id: str, epoch: int) -> MemoryEndpoint:
+    def endpoint(self, reader: str, epoch: int, send_weights: bool = True) -> MemoryEndpoint:
         self.endpoints.append(MemoryEndpoint(self.pins_until_ack))
         return self.endpoints[-1]
 
@@ -102,10 +102,10 @@ class Job:
             uptime_s=0.0, tokens_per_s=0.0, queue_depth=0, bucket_depths=[], drafters=self.coord.status_rows(self.now)))
         return [(who, P.decode(m.encode())) for who, m in out]
 
-    def hello(self, identity: bytes, drafter_id: str, *, watermark: int = 0, extra=(), group: str = "g") -> P.Message:
-        out = self.send(identity, P.Hello(drafter_id=drafter_id, group=group, config_hash=HASH, transport="gloo", pid=1,
-                                          covered_watermark=watermark, covered_extra=list(extra),
-                                          auth=hello_proof(KEY, drafter_id)))
+    def hello(self, identity: bytes, drafter_id: str, *, watermark: int = 0, extra=(), rank: int = 0,
+              world_size: int = 1, generation: int = 1) -> P.Message:
+        out = self.send(identity, hello_msg(drafter_id, watermark=watermark, extra=extra, rank=rank,
+                                            world_size=world_size, generation=generation))
         assert len(out) == 1 and out[0][0] == identity
         return out[0][1]
 
@@ -122,6 +122,15 @@ class Job:
 
     def batches_to(self, identity: bytes, out) -> list[int]:
         return [m.batch_id for who, m in out if who == identity and isinstance(m, P.Batch)]
+
+
+def hello_msg(drafter_id: str, *, watermark: int = 0, extra=(), rank: int = 0, world_size: int = 1,
+              generation: int = 1, config_hash: str = HASH, auth: str | None = None, replica: int = 0,
+              topology_id: str = "") -> P.Hello:
+    return P.Hello(drafter_id=drafter_id, config_hash=config_hash, transport="gloo", pid=1, rank=rank,
+                   world_size=world_size, generation=generation, replica=replica, topology_id=topology_id,
+                   covered_watermark=watermark, covered_extra=list(extra),
+                   auth=hello_proof(KEY, drafter_id) if auth is None else auth)
 
 
 def ack(ids, step: int = 1, checkpoint: int = 0) -> P.Ack:
@@ -159,7 +168,7 @@ def test_restart_mid_batch_resends_only_what_the_checkpoint_lacks():
     job.send(b"old", ack([0]))
     # The drafter is killed and comes back (new socket identity) with a checkpoint covering batch 0.
     job.now += 2
-    job.hello(b"new", "d0", watermark=1)
+    job.hello(b"new", "d0", watermark=1, generation=2)  # a restart is a new generation
     assert b"old" not in job.coord.regs and job.plane.endpoints[0].stopped
     job.send(b"new", P.Request(credits=8))
     got = []
@@ -213,13 +222,13 @@ def test_done_once_every_batch_is_acknowledged():
 
 def test_a_failed_data_plane_drops_its_registration_and_requeues_its_batches():
     job = Job()
-    job.hello(b"a", "d0")
+    job.hello(b"a", "d0", world_size=2)
     job.send(b"a", P.Request(credits=2))
     assert job.batches_to(b"a", job.dispatch()) == [0, 1]
     job.coord.on_link_event(LinkEvent(job.plane.endpoints[0], "failed", error="peer gone"), job.now)
     assert not job.coord.regs
     job.now += 2
-    job.hello(b"b", "d1")  # same group, another drafter: it gets the batches back
+    job.hello(b"b", "d0", rank=1, world_size=2)  # another rank of the drafter gets the batches back
     job.send(b"b", P.Request(credits=2))
     assert job.batches_to(b"b", job.dispatch()) == [0, 1]
 
@@ -243,8 +252,8 @@ def test_pinned_buffers_of_a_dropped_reader_are_unpinned_only_after_its_grace(re
 def test_silence_and_hoarding_are_reaped_and_others_get_heartbeats():
     job = Job(total=None)
     job.hello(b"quiet", "d0")
-    job.hello(b"hoard", "d1", group="h")
-    job.hello(b"fine", "d2", group="f")
+    job.hello(b"hoard", "d1")
+    job.hello(b"fine", "d2")
     for who in (b"quiet", b"hoard", b"fine"):
         job.send(who, P.Request(credits=1))
     job.dispatch()
@@ -264,9 +273,8 @@ def test_silence_and_hoarding_are_reaped_and_others_get_heartbeats():
 
 def test_refusals_say_why_and_register_nothing():
     job = Job(max_drafters=1)
-    forged = job.send(b"x", P.Hello(drafter_id="d0", group="g", config_hash=HASH, transport="gloo", pid=1, auth="0" * 64))
-    other_cfg = job.send(b"y", P.Hello(drafter_id="d0", group="g", config_hash="other", transport="gloo", pid=1,
-                                       auth=hello_proof(KEY, "d0")))
+    forged = job.send(b"x", hello_msg("d0", auth="0" * 64))
+    other_cfg = job.send(b"y", hello_msg("d0", config_hash="other"))
     job.now += 2
     job.hello(b"a", "d0")
     full = job.hello(b"b", "d9")

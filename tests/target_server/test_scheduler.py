@@ -103,8 +103,8 @@ def run_until_done(sched: BatchScheduler, cap: Capturer, groups: list[str], rng:
 def test_two_groups_get_every_index_once_in_order_and_share_captures():
     sched = make_scheduler(slots=2, total=12)
     cap = Capturer(sched)
-    sched.join("a", 0, [])
-    sched.join("b", 0, [])
+    sched.join("a", 1, 0, [])
+    sched.join("b", 1, 0, [])
     got = run_until_done(sched, cap, ["a", "b"])
     assert got["a"] == list(range(12))
     assert got["b"] == list(range(12))
@@ -118,7 +118,7 @@ def test_random_interleavings_two_buckets(seed):
     sched = make_scheduler(slots=2, total=20, buckets=2)
     cap = Capturer(sched)
     for g in ("a", "b", "c"):
-        sched.join(g, 0, [])
+        sched.join(g, 1, 0, [])
     got = run_until_done(sched, cap, ["a", "b", "c"], rng=rng)
     for g in ("a", "b", "c"):
         assert got[g] == list(range(20))
@@ -131,7 +131,7 @@ def test_join_with_covered_set_gets_exactly_the_missing_indices():
     sched = make_scheduler(slots=2, total=11)
     cap = Capturer(sched)
     # The checkpoint covers everything below 3, plus 5 and 7.
-    sched.join("g", 3, [5, 7])
+    sched.join("g", 1, 3, [5, 7])
     assert not sched.finished("g")
     got = run_until_done(sched, cap, ["g"])
     assert got["g"] == [3, 4, 6, 8, 9, 10]  # redo first, in order, then new ones
@@ -140,7 +140,7 @@ def test_join_with_covered_set_gets_exactly_the_missing_indices():
 
 def test_join_with_everything_covered():
     sched = make_scheduler(slots=2, total=4)
-    sched.join("g", 4, [])
+    sched.join("g", 1, 4, [])
     assert sched.finished("g")
     assert sched.take_for("g") is None
     assert sched.next_to_capture(timeout_s=QUICK_S) is None
@@ -149,15 +149,15 @@ def test_join_with_everything_covered():
 def test_leave_then_rejoin_gets_unacknowledged_batches():
     sched = make_scheduler(slots=4, total=8)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     assert cap.drain() == [0, 1, 2, 3]
     assert [take(sched, "g") for _ in range(4)] == [0, 1, 2, 3]
     # The registration dies: it trained 0 and 2, never acknowledged 1 and 3.
     sched.leave("g", [1, 3])
     assert sched.groups["g"].redo == [1, 3]
     assert sched.groups["g"].active == 0
-    # The restarted drafter's checkpoint covers < 1 plus 2.
-    sched.join("g", 1, [2])
+    # The restarted drafter (a new generation) has a checkpoint covering < 1 plus 2.
+    sched.join("g", 2, 1, [2])
     got = run_until_done(sched, cap, ["g"])
     assert got["g"] == [1, 3, 4, 5, 6, 7]
 
@@ -165,8 +165,8 @@ def test_leave_then_rejoin_gets_unacknowledged_batches():
 def test_leave_hands_unacked_to_the_rest_of_the_group():
     sched = make_scheduler(slots=4, total=6)
     cap = Capturer(sched)
-    sched.join("g", 0, [])  # registration 1
-    sched.join("g", 0, [])  # registration 2 of the same group (shares the stream)
+    sched.join("g", 1, 0, [])  # registration 1
+    sched.join("g", 1, 0, [])  # registration 2 of the same group (shares the stream)
     cap.drain()
     assert take(sched, "g") == 0  # registration 1
     assert take(sched, "g") == 1  # registration 1
@@ -180,10 +180,10 @@ def test_leave_hands_unacked_to_the_rest_of_the_group():
 def test_leave_ignores_indices_never_dispatched_and_unknown_groups():
     sched = make_scheduler(slots=2, total=6)
     sched.leave("nobody", [1, 2])  # no error
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     sched.leave("g", [4, 5])  # not dispatched yet: they come anyway, not as redo
     assert sched.groups["g"].redo == []
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     got = run_until_done(sched, Capturer(sched), ["g"])
     assert got["g"] == list(range(6))
 
@@ -191,11 +191,11 @@ def test_leave_ignores_indices_never_dispatched_and_unknown_groups():
 def test_lagging_group_does_not_deadlock_evicts_highest_index():
     sched = make_scheduler(slots=2)
     cap = Capturer(sched)
-    sched.join("fast", 2, [])  # fast is already at index 2
+    sched.join("fast", 1, 2, [])  # fast is already at index 2
     assert cap.drain() == [2, 3]  # both slots hold batches fast still needs
     ptr_of_3 = cap.buffers[3]
     # A new group starts from 0: neither slot is free and both batches are needed.
-    sched.join("slow", 0, [])
+    sched.join("slow", 1, 0, [])
     got = sched.next_to_capture(timeout_s=1.0)
     assert got is not None, "lagging group deadlocked"
     index, buf = got
@@ -208,12 +208,12 @@ def test_lagging_group_does_not_deadlock_evicts_highest_index():
 def test_lagging_group_runs_to_completion_with_full_slots():
     sched = make_scheduler(slots=2, total=10)
     cap = Capturer(sched)
-    sched.join("fast", 0, [])
+    sched.join("fast", 1, 0, [])
     for _ in range(4):
         cap.once()
         take(sched, "fast")
     cap.drain()  # slots full of what fast needs next
-    sched.join("slow", 0, [])
+    sched.join("slow", 1, 0, [])
     got = run_until_done(sched, cap, ["fast", "slow"])
     assert got["fast"] == list(range(4, 10))
     assert got["slow"] == list(range(10))
@@ -222,7 +222,7 @@ def test_lagging_group_runs_to_completion_with_full_slots():
 def test_total_batches_finishes_and_take_returns_none():
     sched = make_scheduler(slots=2, total=3)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     assert not sched.finished("g")
     got = run_until_done(sched, cap, ["g"])
     assert got["g"] == [0, 1, 2]
@@ -237,14 +237,14 @@ def test_total_batches_finishes_and_take_returns_none():
 def test_finished_is_false_for_unknown_group_and_unlimited_plans():
     sched = make_scheduler(slots=2, total=None)
     assert not sched.finished("nobody")
-    sched.join("g", 10**6, [])
+    sched.join("g", 1, 10**6, [])
     assert not sched.finished("g")
 
 
 def test_finished_waits_for_redo():
     sched = make_scheduler(slots=2, total=2)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     cap.drain()
     assert take(sched, "g") == 0 and take(sched, "g") == 1
     assert sched.finished("g")
@@ -257,7 +257,7 @@ def test_finished_waits_for_redo():
 def test_pinned_buffers_are_never_handed_out_for_capture():
     sched = make_scheduler(slots=1)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     assert cap.once() == 0
     ready = sched.take_for("g")  # pinned: a send is reading it
     assert ready is not None and ready.plan_index == 0
@@ -271,12 +271,12 @@ def test_pinned_buffers_are_never_handed_out_for_capture():
 def test_pinned_batch_ahead_is_not_evicted_for_a_lagging_group():
     sched = make_scheduler(slots=2)
     cap = Capturer(sched)
-    sched.join("fast", 3, [])
+    sched.join("fast", 1, 3, [])
     assert cap.drain() == [3, 4]
     r3 = sched.take_for("fast")
     r4 = sched.take_for("fast")
     assert (r3.plan_index, r4.plan_index) == (3, 4)
-    sched.join("slow", 0, [])  # wants 0; 3 and 4 are higher but pinned
+    sched.join("slow", 1, 0, [])  # wants 0; 3 and 4 are higher but pinned
     assert sched.next_to_capture(timeout_s=QUICK_S) is None
     sched.release(r4)
     index, buf = sched.next_to_capture(timeout_s=QUICK_S)
@@ -287,7 +287,7 @@ def test_pinned_batch_ahead_is_not_evicted_for_a_lagging_group():
 def test_release_wakes_a_waiting_capture_thread():
     sched = make_scheduler(slots=1)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     cap.once()
     ready = sched.take_for("g")
     result: list = []
@@ -304,7 +304,7 @@ def test_release_wakes_a_waiting_capture_thread():
 
 def test_abandon_returns_the_buffer_and_the_index_is_wanted_again():
     sched = make_scheduler(slots=1)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     index, buf = sched.next_to_capture(timeout_s=QUICK_S)
     assert index == 0
     sched.abandon(index, buf)
@@ -318,14 +318,14 @@ def test_next_to_capture_times_out_when_nothing_is_wanted():
     assert sched.next_to_capture(timeout_s=0.1) is None  # no group at all
     elapsed = time.monotonic() - start
     assert 0.09 <= elapsed < 10.0
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     sched.leave("g", [])  # an inactive group wants nothing either
     assert sched.next_to_capture(timeout_s=QUICK_S) is None
 
 
 def test_next_to_capture_after_close_returns_none():
     sched = make_scheduler(slots=2)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     sched.close()
     start = time.monotonic()
     assert sched.next_to_capture(timeout_s=5.0) is None  # even though a batch is wanted
@@ -350,7 +350,7 @@ def test_depths_counts_ready_batches_per_bucket():
     sched = make_scheduler(slots=2, buckets=2)
     cap = Capturer(sched)
     assert sched.depths() == (0, [0, 0])
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     cap.drain()
     depth, per_bucket = sched.depths()
     assert depth == sum(per_bucket) == 2  # lookahead = slots_per_bucket = 2: indices 0 and 1
@@ -361,7 +361,7 @@ def test_a_reused_buffer_comes_with_the_events_of_the_sends_that_read_it():
     # On CUDA a send's completion is an event; the capture into the same buffer waits on it.
     sched = make_scheduler(slots=1)
     cap = Capturer(sched)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
     cap.once()
     ready = sched.take_for("g")
     ready.reader_events += ["send-1", "send-2"]  # stand-ins: the scheduler only hands them on

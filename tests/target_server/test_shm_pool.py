@@ -11,7 +11,7 @@ from common import protocol as P
 from common.packing import BatchLayout
 from common.shm_transport import SHM_DIR, ShmRing, liveness_name, segment_name, unlink_segment
 from common.transport import TransportError
-from drafter_worker.worker import _check_slot_kept
+from drafter_worker.data_plane import check_slot_kept
 from target_server.scheduler import BatchScheduler, ReadyBatch
 from target_server.shm_pool import ShmBatchPool
 
@@ -58,13 +58,13 @@ def test_tags_are_fresh_and_a_rewrite_is_seen_by_a_reader(pool):
     try:
         tags = [pool.publish(0, 0), pool.publish(0, 1), pool.publish(1, 0)]
         assert tags == sorted(set(tags)) and 0 not in tags
-        _check_slot_kept(reader, meta(0, 1, tags[1]))  # unchanged: fine
+        check_slot_kept(reader, meta(0, 1, tags[1]))  # unchanged: fine
         pool.begin_write(0, 1)  # the capture thread takes the slot again
         with pytest.raises(TransportError, match="rewritten"):
-            _check_slot_kept(reader, meta(0, 1, tags[1]))
+            check_slot_kept(reader, meta(0, 1, tags[1]))
         pool.publish(0, 1)
         with pytest.raises(TransportError, match="rewritten"):
-            _check_slot_kept(reader, meta(0, 1, tags[1]))
+            check_slot_kept(reader, meta(0, 1, tags[1]))
     finally:
         reader.close()
 
@@ -81,7 +81,7 @@ def test_close_removes_the_segment_and_a_mapping_outlives_it(pool):
 def test_a_pinned_slot_is_not_captured_into_until_released(pool):
     sched = BatchScheduler(bucket_of=lambda i: 0, layouts=LAYOUTS, slots_per_bucket=1, total_batches=None,
                            device=torch.device("cpu"), buffers=pool.buffers)
-    sched.join("g", 0, [])
+    sched.join("g", 1, 0, [])
 
     def capture() -> ReadyBatch | None:
         got = sched.next_to_capture(timeout_s=0.2)

@@ -40,7 +40,7 @@ def run_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     )
     torch.manual_seed(0)
     model = DFlashDrafter(config)
-    state = TrainerState(step=10, coverage=Coverage(), drafter_id="d0", group="d0", model_id="tiny")
+    state = TrainerState(step=10, coverage=[Coverage()], drafter_id="d0", model_id="tiny")
     CheckpointStore(run, "d0", keep=2).save(state, model, torch.optim.AdamW(model.parameters()), torch.Generator())
     with open(run / "metrics.jsonl", "w") as f:
         for step, eal in ((5, 0.1), (10, 0.25), (15, 0.5)):

@@ -47,7 +47,7 @@ def make_checkpoint(run_dir: Path, step: int = 20, drafter_id: str = "d0", **con
     if model.draft_vocab_size:
         model.set_draft_vocab(torch.randperm(VOCAB)[: model.draft_vocab_size])
     optimizer = torch.optim.AdamW(model.parameters())
-    state = TrainerState(step=step, coverage=Coverage(), drafter_id=drafter_id, group=drafter_id, model_id="tiny",
+    state = TrainerState(step=step, coverage=[Coverage()], drafter_id=drafter_id, model_id="tiny",
                          tokens_trained=step * 1000)
     CheckpointStore(run_dir, drafter_id, keep=2).save(state, model, optimizer, torch.Generator())
     return model

@@ -104,3 +104,60 @@ def test_missing_or_empty_run_is_one_clear_line(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("\n")
     with pytest.raises(Exception, match="no metric records"):
         read_metrics(tmp_path / "empty")
+
+
+def _write_multi_run(run_dir: Path, composed: bool) -> None:
+    """Two target replicas, drafter d0 trained by two ranks (with or without the sidecar's composed
+    records), one-process drafter d1."""
+    t0 = 1.7e9
+    lines = []
+    for n, step in enumerate(range(2, 42, 2)):
+        t = t0 + n * 0.5
+        ranks = {k: {"loss": 8 * math.exp(-step / 20) + 1 + k, "lr": 1e-3 * (k + 1), "tokens_per_s": 300.0 + 200 * k,
+                     "eal": 1.0, "acc/pos_1": 0.5 + 0.2 * k, "acc/pos_2": 0.4 - 0.2 * k} for k in (0, 1)}
+        for k, values in ranks.items():
+            if not (k == 1 and step == 10):  # rank 1's step-10 record was dropped: no drafter step 10
+                lines.append({"source": f"rank/d0.{k}", "step": step, "time": t + 0.01 * k, "received_at": 0,
+                              "values": values})
+        if composed and step != 10:
+            lines.append({"source": "drafter/d0", "step": step, "time": t + 0.01, "received_at": 0, "composed": True,
+                          "values": {"loss": (ranks[0]["loss"] + ranks[1]["loss"]) / 2, "tokens_per_s": 800.0,
+                                     "lr": 1e-3}})
+        lines.append({"source": "drafter/d1", "step": step, "time": t, "received_at": 0,
+                      "values": {"loss": 9 * math.exp(-step / 20) + 1, "tokens_per_s": 400.0}})
+    lines.append({"source": "drafter/d0", "step": 20, "time": t0 + 30, "received_at": 0, "values": {"eval/tau": 1.4}})
+    for n in range(40):
+        for r in (0, 1):
+            lines.append({"source": f"target/{r}", "step": n, "time": t0 + n * 0.5 + 0.1 * r, "received_at": 0,
+                          "values": {"tokens_per_s": 1000 + 200 * r + 50 * (n % 7), "queue_depth": (n + r) % 4}})
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+
+@pytest.mark.parametrize("composed", [True, False], ids=["composed-by-sidecar", "composed-here"])
+def test_report_shows_target_replicas_and_a_drafter_trained_by_two_ranks(tmp_path, composed):
+    from tools.report import group_sources, write_report
+
+    run_dir = tmp_path / "runs" / "multi"
+    _write_multi_run(run_dir, composed)
+    sources, skipped = read_metrics(run_dir)
+    grouped = group_sources(sources)
+    assert skipped == 0
+    assert list(grouped.drafters) == ["d0", "d1"] and list(grouped.ranks) == ["d0"]
+    assert list(grouped.ranks["d0"]) == [0, 1] and list(grouped.targets) == ["target/0", "target/1"]
+    d0 = grouped.drafters["d0"]
+    steps, losses = d0.by_step("loss")
+    assert 10 not in steps and steps[:2] == [2, 4] and len(steps) == 19  # a step rank 1 missed is no drafter step
+    rank_losses = [grouped.ranks["d0"][k].by_step("loss")[1][0] for k in (0, 1)]
+    assert losses[0] == pytest.approx(sum(rank_losses) / 2)
+    assert d0.by_step("tokens_per_s")[1][0] == 800.0 and d0.by_step("lr")[1][0] == 1e-3
+    if not composed:  # composed here by the sidecar's rules: eal from the mean accuracies
+        assert d0.by_step("acc/pos_1")[1][0] == pytest.approx(0.6)
+        assert d0.by_step("eal")[1][0] == pytest.approx(0.6 + 0.6 * 0.3)
+    assert d0.by_time("eval/tau", 0.0)[1] == [1.4]  # the eval records stay with the drafter
+
+    paths = write_report(run_dir)
+    assert sorted(p.name for p in paths) == ["drafter-d0.png", "drafter-d1.png", "drafters.png", "eval.png",
+                                              "pipeline.png", "target.png"]
+    for path in paths:
+        assert_real_png(path)
