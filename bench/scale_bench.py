@@ -9,7 +9,7 @@ alternated ``--rounds`` times (A B A B ...), so machine noise hits both:
 - **replicas**: a target-bound job (a 16-layer x 256 random target, a small
   drafter): one drafter's batch throughput with ``target.replicas`` 1 and 2.
   The supply side doubles; what it gets depends on free cores.
-- **ranks**: a drafter-bound job (a 2-layer x 64 target, a 4-layer drafter):
+- **ranks**: a drafter-bound job (a 5-layer x 64 target, a 4-layer drafter):
   the drafter's batch throughput trained by 1 rank and by 2 torchrun ranks
   (``--nproc-per-node 2``, DDP over gloo).
 
@@ -193,8 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
             out["replicas"] = compare(tmp, "1 vs 2 target replicas (target-bound job)",
                                       ("replicas-1", one, 1, 1), ("replicas-2", two, 2, 1), args)
             print(f"[scale] 2 replicas / 1 replica: {out['replicas']['ratio']:.2f}x drafter tokens/s", flush=True)
+            if args.out:  # each row as soon as it is measured
+                write_json(Path(args.out), out)
         if "ranks" in args.only:
-            model = make_tiny_target(tmp / "small-target", num_layers=2, hidden=64)
+            model = make_tiny_target(tmp / "small-target", num_layers=5, hidden=64)
             one = write_config(tmp, "ranks-1", model, replicas=1, drafter_layers=4, anchors=8)
             two = write_config(tmp, "ranks-2", model, replicas=1, drafter_layers=4, anchors=8)
             out["ranks"] = compare(tmp, "1 vs 2 drafter ranks, gloo DDP (drafter-bound job)",

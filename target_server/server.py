@@ -107,7 +107,24 @@ class TargetServer:
         cfg = self.cfg
         if cfg.target.threads:
             torch.set_num_threads(cfg.target.threads)
-        # Bind first: a taken port should fail in a second, not after loading the model.
+        self._bind()
+        self._metrics = MetricsPusher(cfg.metrics.address, target_source(cfg.target.replica, cfg.target.replicas),
+                                      sockets=self._sockets)
+        self._control_key = load_or_create_control_key(cfg.run.path)
+        self._load_model()
+        self._load_data()
+        self._build_data_plane()
+        self._build_scheduler()
+        self._build_coordinator()
+        self._warm_up()
+        self._capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)
+        self._capture_thread.start()
+        self._started_at = time.monotonic()
+        logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
+
+    def _bind(self) -> None:
+        """The control socket and the data-plane store, first: a taken port fails in a second, not after loading the model."""
+        cfg = self.cfg
         try:
             check_bind(f"tcp://{cfg.control.store_host}:{cfg.control.store_port}", cfg.security.curve_dir, "data-plane store")
             # Peers that stop reading lose messages (SNDHWM) instead of growing our memory.
@@ -122,10 +139,10 @@ class TargetServer:
             self._store = host_store(cfg.control.store_host, cfg.control.store_port, cfg.transport.timeout_s)
         except RuntimeError as exc:
             raise StartupError(str(exc)) from None
-        self._metrics = MetricsPusher(cfg.metrics.address, target_source(cfg.target.replica, cfg.target.replicas),
-                                      sockets=self._sockets)
-        self._control_key = load_or_create_control_key(cfg.run.path)
 
+    def _load_model(self) -> None:
+        """The target, its captured layers, mask token and layer capture."""
+        cfg = self.cfg
         loaded = load_target(
             cfg.target.model, device=cfg.target.device, dtype=self.dtype, tokenizer_source=cfg.target.tokenizer or None
         )
@@ -149,22 +166,28 @@ class TargetServer:
             self.mask_token_id, self.transport,
         )
 
+    def _load_data(self) -> None:
+        """Tokenized data, its fingerprint and token ranking, the bucket shapes and the epoch plan."""
+        cfg = self.cfg
         self.dataset = build_dataset(
-            loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+            self.loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
             heldout_fraction=cfg.data.heldout_fraction, max_samples=cfg.data.max_samples,
             data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
             num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir,
         )
-        self.token_ranking = token_ranking(self.dataset.train, loaded.vocab_size, P.TOKEN_RANKING_MAX)
-        self.data_fingerprint = fingerprint(self.dataset, loaded.tokenizer)
+        self.token_ranking = token_ranking(self.dataset.train, self.loaded.vocab_size, P.TOKEN_RANKING_MAX)
+        self.data_fingerprint = fingerprint(self.dataset, self.loaded.tokenizer)
         logger.info("[data] fingerprint %s (token ids, masks, tokenizer, chat template)", self.data_fingerprint)
         self.spec = BucketSpec(tuple(cfg.data.bucket_lengths), cfg.data.tokens_per_batch)
         self.plan = BatchPlan(self.dataset.train_lengths(), self.spec, cfg.data.seed)
-        total = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
+        self._total_batches = self.plan.batches_per_epoch * cfg.data.num_epochs if cfg.data.num_epochs else None
         self.layouts = [BatchLayout(b, t, self.feature_dim, self.dtype) for b, t in self.spec.shapes()]
 
-        embed, head, tied = embedding_weights(loaded.model)
-        self.weights_layout = WeightsLayout(loaded.vocab_size, loaded.hidden_size, tied, self.dtype)
+    def _build_data_plane(self) -> None:
+        """The frozen weights in one buffer and the transport's data plane around them."""
+        cfg = self.cfg
+        embed, head, tied = embedding_weights(self.loaded.model)
+        self.weights_layout = WeightsLayout(self.loaded.vocab_size, self.loaded.hidden_size, tied, self.dtype)
         self.weights_buf = self.weights_layout.allocate(self.device)
         w_embed, w_head = self.weights_layout.views(self.weights_buf)
         w_embed.copy_(embed)
@@ -179,17 +202,21 @@ class TargetServer:
             )
         except TransportError as exc:
             raise StartupError(str(exc)) from None
+
+    def _build_scheduler(self) -> None:
+        """This replica's shard of the plan, the scheduler, the plan fingerprint and topology id."""
+        cfg = self.cfg
         self.shard = Shard(cfg.target.replica, cfg.target.replicas)
         self.scheduler = BatchScheduler(
             bucket_of=lambda i: self.plan.batch(i).bucket,
             layouts=self.layouts,
             slots_per_bucket=cfg.target.ready_batches,
-            total_batches=total,
+            total_batches=self._total_batches,
             device=self.device,
             buffers=self.plane.batch_buffers(),
             shard=self.shard,
         )
-        self.plan_fingerprint = plan_fingerprint(self.data_fingerprint, self.plan.batches_per_epoch, total,
+        self.plan_fingerprint = plan_fingerprint(self.data_fingerprint, self.plan.batches_per_epoch, self._total_batches,
                                                  [list(s) for s in self.spec.shapes()], cfg.data.seed)
         self.topology_id = topology_id(self.plan_fingerprint, self.shard.replicas)
         logger.info(
@@ -198,6 +225,10 @@ class TargetServer:
             self.plan.batches_per_epoch, self.spec.shapes(), cfg.data.num_epochs or "unlimited", self.plan_fingerprint,
             self.shard.replica, self.shard.replicas, self.shard.replicas, self.shard.replica, self.topology_id,
         )
+
+    def _build_coordinator(self) -> None:
+        """The sans-I/O coordinator with what a HELLO must match."""
+        cfg = self.cfg
         self.coord = Coordinator(
             admission=Admission(
                 control_key=self._control_key, config_hash=cfg.shared_hash(), transport=self.transport,
@@ -208,11 +239,6 @@ class TargetServer:
             ),
             scheduler=self.scheduler, data_plane=self.plane, welcome=self._welcome,
         )
-        self._warm_up()
-        self._capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)
-        self._capture_thread.start()
-        self._started_at = time.monotonic()
-        logger.info("[startup] serving on %s (store %s:%d)", cfg.control.address, cfg.control.store_host, cfg.control.store_port)
 
     def _warm_up(self) -> None:
         """Run every bucket shape once so allocator/kernel set-up is not in the first measured batch."""

@@ -136,8 +136,12 @@ def test_a_job_across_three_hosts_trains_and_a_fourth_cannot_join(tmp_path, tiny
             assert procs[name].wait(90) == 0, consoles()
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # the process itself too: a SIGKILL of `ip netns exec` leaves it running
+                for pid in [proc.pid, *_descendants(proc.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 proc.wait(10)
     report = verify_lineage(run_dir, "d0")
     assert report.ok and report.finished_epochs == [0], report.problems

@@ -102,8 +102,8 @@ def test_two_replicas_feed_a_two_rank_group_and_a_single_drafter_exactly_once(tm
 def test_a_killed_replica_and_a_killed_rank_lose_and_repeat_nothing(tmp_path, tiny_llama_dir):
     config = scale_out_config(tmp_path, str(tiny_llama_dir), checkpoint_every=2)
     run_dir = tmp_path / "runs" / "it"
-    # Twice the data, so the kills land mid-epoch.
-    with Job(config, run_dir, overrides=["data.max_samples=160"]) as job:
+    # More data, so the kills land mid-epoch.
+    with Job(config, run_dir, overrides=["data.max_samples=120"]) as job:
         start_job(job, max_restarts=3)
         job.wait_for(lambda: _durable_batches(run_dir, "d1") >= 4, 180, "d1 to train a few batches")
         job.kill("target-1")  # SIGKILL: no BYE; its registrations and pinned batches die with it
