@@ -1,12 +1,12 @@
 """Scale-out with real processes: 2 target replicas, a 2-rank gloo DDP drafter under torchrun, a 1-process drafter.
 
-The tiny random target and CPU gloo everywhere; the plan is one epoch of 20
-batches, so every drafter ends with DONE from both replicas. Checked from the
-files the processes leave: each drafter's ledgers over all its ranks hold
-every batch of the plan exactly once and every sample of the epoch; the two
-ranks end with identical weights; every process exits 0. The chaos test kills
-a target replica with SIGKILL mid-epoch (and starts it again) and, later, one
-rank of the torchrun group (torchrun restarts the group from its checkpoint).
+The tiny random target and CPU gloo everywhere; the plan is one epoch, so
+every drafter ends with DONE from both replicas. Mid-epoch a target replica is
+killed with SIGKILL (and started again) and, later, one rank of the torchrun
+group (torchrun restarts the group from its checkpoint, as generation 2).
+Checked from the files the processes leave: each drafter's ledgers over all
+its ranks hold every batch of the plan exactly once and every sample of the
+epoch; the two ranks end with identical weights; every process exits 0.
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ from tests.fixtures import write_config
 from tests.ports import free_replica_step
 
 pytestmark = pytest.mark.timeout(420)
-
-PLAN_BATCHES = 20  # one epoch of the fixture's data at these bucket settings
-
 
 def scale_out_config(tmp_path: Path, model: str, *, checkpoint_every: int = 4, extra_drafter: dict | None = None) -> Path:
     """Two replicas (ports of replica 1 = replica 0's + a free step), drafter g0 for 2 ranks, d1 for one."""
@@ -54,49 +51,12 @@ def start_job(job: Job, max_restarts: int = 0) -> None:
     job.start_drafter("d1")
 
 
-def finish(job: Job) -> None:
-    for drafter in ("g0", "d1"):
-        assert job.wait(drafter, 300) == 0, job.all_consoles()
-    for name in ("target-0", "target-1", "metrics"):
-        assert job.terminate(name, 60) == 0, job.console(name)
-
-
-def check_ledgers(run_dir: Path) -> dict:
-    reports = {d: verify_lineage(run_dir, d) for d in ("g0", "d1")}
-    for drafter, report in reports.items():
-        assert report.ok, (drafter, report.problems)
-        assert report.batches == PLAN_BATCHES and report.finished_epochs == [0], (drafter, report)
-    assert reports["g0"].world_size == 2 and reports["d1"].world_size == 1
-    return reports
-
-
 def final_digests(run_dir: Path) -> list[str]:
     digests = []
     for rank in range(2):
         log = (run_dir / "logs" / f"drafter-g0.{rank}.log").read_text()
         digests.append(re.findall(rf"\[group\] rank {rank} of 2 ends at step \d+ with weights (\w+)", log)[-1])
     return digests
-
-
-def test_two_replicas_feed_a_two_rank_group_and_a_single_drafter_exactly_once(tmp_path, tiny_llama_dir):
-    config = scale_out_config(tmp_path, str(tiny_llama_dir))
-    run_dir = tmp_path / "runs" / "it"
-    with Job(config, run_dir) as job:
-        start_job(job)
-        finish(job)
-    reports = check_ledgers(run_dir)
-    # Each round trains one batch per rank (a rank whose stream ended first takes zero-gradient steps):
-    # the group took about half the steps of the single drafter.
-    assert reports["d1"].final_step == PLAN_BATCHES
-    assert PLAN_BATCHES // 2 <= reports["g0"].final_step <= PLAN_BATCHES // 2 + 3
-    digest0, digest1 = final_digests(run_dir)
-    assert digest0 == digest1
-    # The frozen weights came from one replica per rank; both replicas served both drafters.
-    for r in range(2):
-        log = (run_dir / "logs" / f"target-{r}.log").read_text()
-        assert f"replica {r} of 2 serves" in log
-        assert "drafter g0 has been served every batch of this replica" in log
-        assert "drafter d1 has been served every batch of this replica" in log
 
 
 def test_a_killed_replica_and_a_killed_rank_lose_and_repeat_nothing(tmp_path, tiny_llama_dir):
@@ -118,11 +78,19 @@ def test_a_killed_replica_and_a_killed_rank_lose_and_repeat_nothing(tmp_path, ti
             assert job.terminate(name, 60) == 0, job.console(name)
     generations = re.findall(r"rank 0 of 2: generation (\d+)", (run_dir / "logs" / "drafter-g0.0.log").read_text())
     assert generations == ["1", "2"], generations
-    for drafter in ("g0", "d1"):
-        report = verify_lineage(run_dir, drafter)
+    reports = {d: verify_lineage(run_dir, d) for d in ("g0", "d1")}
+    for drafter, report in reports.items():
         assert report.ok and report.finished_epochs == [0], (drafter, report.problems)
         assert report.batches == _batches_per_epoch(run_dir, drafter), report
-    assert len(set(final_digests(run_dir))) == 1
+    assert reports["g0"].world_size == 2 and reports["d1"].world_size == 1
+    # The ranks split the work: the group's final lineage has far fewer steps than batches.
+    assert reports["g0"].final_step < 0.75 * reports["g0"].batches, reports["g0"]
+    assert len(set(final_digests(run_dir))) == 1  # both ranks end with the same weights
+    for r in range(2):  # both replicas served both drafters to the end
+        log = (run_dir / "logs" / f"target-{r}.log").read_text()
+        assert f"replica {r} of 2 serves" in log
+        assert "drafter g0 has been served every batch of this replica" in log
+        assert "drafter d1 has been served every batch of this replica" in log
 
 
 def _durable_batches(run_dir: Path, ledger: str) -> int:
