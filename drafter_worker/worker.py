@@ -259,12 +259,14 @@ class DrafterWorker:
             return Entry(STOPPING)
         if self.trainer is None or self._head is None:
             return None  # no WELCOME yet (no model to step), or no frozen weights yet
+        if self.dcfg.max_steps and self.trainer.step >= self.dcfg.max_steps:
+            return Entry(EXHAUSTED)  # batches still in flight go back to the replicas with the BYE
         if self._pending is None:
             self._pending = self._take_received(links)
         if self._pending is not None:
             meta = self._pending.meta
             return Entry(BATCH, self._pending.link.replica, meta.batch_id, meta.num_tokens)
-        if (self.dcfg.max_steps and self.trainer.step >= self.dcfg.max_steps) or all(l.exhausted for l in links):
+        if all(link.exhausted for link in links):
             return Entry(EXHAUSTED)
         return None
 

@@ -27,10 +27,9 @@ from tests.ports import free_replica_step
 
 pytestmark = pytest.mark.timeout(420)
 
-def scale_out_config(tmp_path: Path, model: str, *, checkpoint_every: int = 4, extra_drafter: dict | None = None) -> Path:
+def scale_out_config(tmp_path: Path, model: str, *, checkpoint_every: int = 4) -> Path:
     """Two replicas (ports of replica 1 = replica 0's + a free step), drafter g0 for 2 ranks, d1 for one."""
     drafters = {"g0": {"devices": ["cpu", "cpu"], "checkpoint_every_steps": checkpoint_every}, "d1": {"seed": 1}}
-    drafters["d1"].update(extra_drafter or {})
     path = write_config(tmp_path, model, drafters=drafters,
                         sections={"target": ["replicas = 2"], "data": ["num_epochs = 1"]})
     text = path.read_text()
