@@ -104,7 +104,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="override for every variant")
-    p.add_argument("--variant", action="append", required=True, help="NAME:key=value,key=value")
+    p.add_argument("--variant", action="append", required=True, help="NAME:key=value,key=value (or ; between settings)")
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--steps", type=int, default=0,
                    help="train each variant this many steps instead of --minutes (fair when the machine is shared)")
@@ -149,7 +149,8 @@ def main() -> int:
     arch = loaded.config
     for spec in args.variant:
         name, _, sets = spec.partition(":")
-        kvs = [kv for kv in sets.split(",") if kv]
+        # ";" separates settings when a value is a list (layer_types=["a","b"]).
+        kvs = [kv for kv in sets.split(";" if ";" in sets else ",") if kv]
         # init.copy_layers=28+29: start the drafter's layers as copies of these target layers (experiment)
         copy_layers = [int(x) for kv in kvs if kv.startswith("init.copy_layers=") for x in kv.split("=", 1)[1].split("+")]
         kvs = [kv for kv in kvs if not kv.startswith("init.")]
@@ -162,7 +163,8 @@ def main() -> int:
             rope_theta=float((getattr(arch, "rope_parameters", None) or {}).get("rope_theta", getattr(arch, "rope_theta", 10000.0))),
             max_position_embeddings=arch.max_position_embeddings, num_hidden_layers=vcfg.num_layers,
             num_target_layers=loaded.num_layers, target_layer_ids=layer_ids, block_size=vcfg.block_size,
-            mask_token_id=mask_id, draft_vocab_size=vcfg.draft_vocab_size)
+            mask_token_id=mask_id, draft_vocab_size=vcfg.draft_vocab_size,
+            layer_types=vcfg.layer_types, sliding_window=vcfg.sliding_window)
         torch.manual_seed(vcfg.seed)
         model = DFlashDrafter(config)
         if vcfg.draft_vocab_size:

@@ -201,8 +201,11 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     baseline: bool = True,
+    draft_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers."""
+    """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
+
+    ``draft_tokens`` caps the drafts each step verifies (default: the whole block)."""
     import torch
 
     from common.progress import Progress
@@ -220,12 +223,16 @@ def evaluate(
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     device = embed.device
+    if draft_tokens is None:
+        draft_tokens = proposer.block_size - 1
+    if not 1 <= draft_tokens <= proposer.block_size - 1:
+        raise EvalError(f"--draft-tokens must be in 1..{proposer.block_size - 1} for a block of {proposer.block_size}")
 
     def gen() -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed)
 
     # Warm-up (allocator, kernels) so the first timed prompt is not penalised.
-    speculative_generate(target, proposer, prompts[0], max_new_tokens=min(4, max_new_tokens))
+    speculative_generate(target, proposer, prompts[0], max_new_tokens=min(4, max_new_tokens), draft_tokens=draft_tokens)
     if baseline:
         plain_generate(target, prompts[0], max_new_tokens=min(4, max_new_tokens))
 
@@ -237,7 +244,8 @@ def evaluate(
     with Progress("[eval] prompts", total=len(prompts), unit="prompt", logger=logger) as progress:
         for i, prompt in enumerate(prompts):
             spec = speculative_generate(target, proposer, prompt, max_new_tokens=max_new_tokens,
-                                        stop_token_ids=stop_tokens, temperature=temperature, generator=gen())
+                                        stop_token_ids=stop_tokens, temperature=temperature, generator=gen(),
+                                        draft_tokens=draft_tokens)
             stats.add(spec)
             spec_tokens += len(spec.tokens)
             spec_s += spec.total_s
@@ -262,6 +270,7 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "block_size": proposer.block_size,
+        "draft_tokens": draft_tokens,
         "tau": stats.tau,
         "tau_per_prompt": [row["tau"] for row in per_prompt],
         "acceptance_rate": stats.acceptance_rate(),
@@ -338,6 +347,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, help="prompts to decode (default 8; 4 with --watch)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 64; 32 with --watch)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--draft-tokens", type=int, help="drafts the target verifies per step (default: block size - 1); "
+                   "fewer cost less to verify where later positions are rarely accepted")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
@@ -418,7 +429,7 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     drafter = _load_drafter(path, loaded.model)
     started = time.monotonic()
     report = evaluate(loaded.model, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                      temperature=args.temperature, seed=args.seed, baseline=baseline)
+                      temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens)
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),

@@ -277,11 +277,16 @@ def speculative_generate(
     stop_token_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    draft_tokens: int | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with draft-and-verify steps.
 
     Stops after a token in ``stop_token_ids`` (which is kept). At
     ``temperature`` 0 the tokens equal :func:`plain_generate`'s.
+    ``draft_tokens`` caps the drafts a step verifies (default ``block_size - 1``,
+    the whole block): the drafter still drafts the block in one pass, but the
+    target verifies fewer tokens, which pays where the later positions are
+    rarely accepted and verification costs grow with its length (a CPU).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -292,6 +297,9 @@ def speculative_generate(
         raise ValueError("the prompt is empty")
     stop = {int(t) for t in stop_token_ids}
     block_size = int(proposer.block_size)
+    max_draft = block_size - 1 if draft_tokens is None else int(draft_tokens)
+    if not 1 <= max_draft <= block_size - 1:
+        raise ValueError(f"draft_tokens must be in 1..{block_size - 1} (block size {block_size}), got {draft_tokens}")
     layer_ids = proposer.layer_ids
     proposer.reset()
     cache = _new_cache(target)
@@ -308,7 +316,7 @@ def speculative_generate(
     stopped = first in stop
     while not stopped and len(tokens) < max_new_tokens:
         remaining = max_new_tokens - len(tokens)
-        num_draft = min(block_size - 1, remaining - 1)
+        num_draft = min(max_draft, remaining - 1)
         anchor = tokens[-1]
         draft: list[int] = []
         draft_probs = None

@@ -113,6 +113,20 @@ def test_speculative_equals_plain_greedy_with_random_drafter(target):
     assert len(stats.acceptance_rate()) == BLOCK - 1
 
 
+def test_draft_tokens_caps_what_a_step_verifies(target):
+    # A perfect drafter verified 2 drafts at a time: every step yields exactly 3 tokens
+    # (2 accepted + the target's), the output is still greedy decoding, and no step drafts more.
+    n = 1 + 4 * 3
+    prompt = PROMPTS[0]
+    reference = plain_generate(target, prompt, max_new_tokens=n + BLOCK).tokens
+    oracle = OracleProposer(prompt, reference, BLOCK, None)
+    spec = speculative_generate(target, oracle, prompt, max_new_tokens=n, draft_tokens=2)
+    assert spec.tokens == reference[:n]
+    assert spec.step_drafts == [2] * 4 and spec.step_tokens == [3] * 4
+    with pytest.raises(ValueError, match="draft_tokens"):
+        speculative_generate(target, oracle, prompt, max_new_tokens=n, draft_tokens=BLOCK)
+
+
 @pytest.mark.parametrize("wrong_from, tau", [(None, BLOCK), (3, 3), (1, 1)])
 def test_oracle_drafter_reaches_block_size(target, wrong_from, tau):
     # max_new_tokens = 1 + k * block_size: every step can accept a full block.
