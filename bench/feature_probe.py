@@ -1,0 +1,160 @@
+"""How much do the target's features say about the first draft position? A probe, against n-gram tables.
+
+    python bench/feature_probe.py --config configs/quality.toml --samples 340 --holdout 40
+
+For every answer position ``a`` of the first ``--samples`` training samples
+(features captured once by ``bench/recipe_sweep.py``, read from its
+``--feature-dir``), predict token ``a + 1`` (the first draft slot of a block
+anchored at ``a``) from what a drafter has at that point. Four predictors, all
+scored on the last ``--holdout`` samples:
+
+* bigram / trigram tables of the training answers (no model at all);
+* an MLP reading the anchor's and the previous token's embeddings;
+* the same MLP also given the captured target features of position ``a - 1``
+  (all captured layers, or one with ``--layer``).
+
+The gap between the last two is what a drafter can gain by reading the
+features; docs/recipe.md ("A third sweep") used it to find that the drafter
+was barely ahead of the n-gram tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.config import load_config  # noqa: E402
+from drafter_worker.model.dflash_model import build_target_layer_ids  # noqa: E402
+from target_server.data import build_dataset, token_ranking  # noqa: E402
+from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+
+
+def positions(samples, feats, idx):
+    """(features of a-1, token a, token a-1, token a+1) for every trained a+1 of the samples ``idx``."""
+    x, cur, prev, nxt = [], [], [], []
+    for j in idx:
+        ids, mask = samples[j].input_ids.long(), samples[j].loss_mask
+        for a in range(1, len(ids) - 1):
+            if mask[a + 1]:
+                x.append(feats[j][a - 1])
+                cur.append(ids[a])
+                prev.append(ids[a - 1])
+                nxt.append(ids[a + 1])
+    return torch.stack(x), torch.stack(cur), torch.stack(prev), torch.stack(nxt)
+
+
+def ngram_accuracy(samples, train_idx, test_idx, n: int) -> float:
+    table: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
+    for j in train_idx:
+        ids, mask = samples[j].input_ids.tolist(), samples[j].loss_mask.tolist()
+        for t in range(n, len(ids)):
+            if mask[t]:
+                table[tuple(ids[t - n:t])][ids[t]] += 1
+    hits = total = 0
+    for j in test_idx:
+        ids, mask = samples[j].input_ids.tolist(), samples[j].loss_mask.tolist()
+        for t in range(max(n, 2), len(ids)):  # the positions the probes score (a + 1 >= 2)
+            if mask[t]:
+                total += 1
+                counts = table.get(tuple(ids[t - n:t]))
+                hits += int(bool(counts) and counts.most_common(1)[0][0] == ids[t])
+    return hits / max(total, 1)
+
+
+def train_probe(train, test, embed, head, vocab_ids, use_features: bool, steps: int, seed: int) -> tuple[float, float]:
+    """(train accuracy, held-out accuracy) of an MLP over the draft vocabulary ``vocab_ids``."""
+    torch.manual_seed(seed)
+    hidden = embed.shape[1]
+    rms = train[0].pow(2).mean(0).sqrt().clamp(min=1e-6)  # the captured layers' massive dimensions
+
+    def inputs(x, cur, prev):
+        parts = [embed[cur], embed[prev]]
+        return torch.cat([x / rms, *parts], dim=1) if use_features else torch.cat(parts, dim=1)
+
+    width = (train[0].shape[1] if use_features else 0) + 2 * hidden
+    net = torch.nn.Sequential(torch.nn.Linear(width, 1536), torch.nn.SiLU(), torch.nn.Linear(1536, hidden),
+                              torch.nn.LayerNorm(hidden))
+    scale = torch.nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.AdamW([*net.parameters(), scale], lr=1e-3)
+    remap = torch.full((embed.shape[0],), -1, dtype=torch.long)
+    remap[vocab_ids] = torch.arange(len(vocab_ids))
+    rows = head[vocab_ids]
+    for _ in range(steps):
+        b = torch.randint(0, len(train[3]), (512,))
+        labels = remap[train[3][b]]
+        keep = labels >= 0
+        logits = net(inputs(train[0][b], train[1][b], train[2][b])) @ rows.T * scale
+        loss = F.cross_entropy(logits[keep], labels[keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    @torch.no_grad()
+    def accuracy(data, limit: int = 5000) -> float:
+        x, cur, prev, nxt = (t[:limit] for t in data)
+        predicted = vocab_ids[(net(inputs(x, cur, prev)) @ rows.T).argmax(1)]
+        return float((predicted == nxt).float().mean())
+
+    return accuracy(train), accuracy(test)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--samples", type=int, default=340, help="training samples whose features recipe_sweep captured")
+    p.add_argument("--holdout", type=int, default=40, help="the last this many of them score the predictors")
+    p.add_argument("--steps", type=int, default=1500, help="probe training steps (512 positions each)")
+    p.add_argument("--layer", type=int, help="give the probe only this captured layer's features (index in the list)")
+    p.add_argument("--vocab", type=int, default=8192, help="the probe scores the most used answer tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--feature-dir", default="/tmp/dflash-sweep")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
+    ds = build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples,
+                       data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
+                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+    layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
+    # The cache key recipe_sweep.py uses for the same data and layers.
+    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), len(ds.train),
+                                     layer_ids]).encode()).hexdigest()[:12]
+    cache = Path(args.feature_dir) / f"features-{key}.pt"
+    if not cache.is_file():
+        print(f"no captured features at {cache}: run bench/recipe_sweep.py with the same --config and --samples first",
+              file=sys.stderr)
+        return 2
+    feats = torch.load(cache)
+    if args.layer is not None:
+        h = loaded.hidden_size
+        feats = {j: f[:, args.layer * h:(args.layer + 1) * h] for j, f in feats.items()}
+    n = len(ds.train)
+    train_idx, test_idx = list(range(n - args.holdout)), list(range(n - args.holdout, n))
+    train, test = positions(ds.train, feats, train_idx), positions(ds.train, feats, test_idx)
+    embed, head, _ = embedding_weights(loaded.model)
+    vocab_ids = torch.tensor(token_ranking(ds.train, loaded.vocab_size, args.vocab)[: args.vocab])
+    rows = {"positions": {"train": len(train[3]), "held_out": len(test[3])},
+            "bigram": ngram_accuracy(ds.train, train_idx, test_idx, 1),
+            "trigram": ngram_accuracy(ds.train, train_idx, test_idx, 2)}
+    for name, use in (("probe_tokens", False), ("probe_tokens_and_features", True)):
+        tr, te = train_probe(train, test, embed.float(), head.float(), vocab_ids, use, args.steps, seed=0)
+        rows[name] = {"train": round(tr, 3), "held_out": round(te, 3)}
+        print(name, rows[name], flush=True)
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
