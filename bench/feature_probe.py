@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,8 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
 from drafter_worker.model.dflash_model import build_target_layer_ids  # noqa: E402
-from target_server.data import build_dataset, token_ranking  # noqa: E402
+from target_server.data import token_ranking  # noqa: E402
 from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from recipe_sweep import feature_cache_path, sweep_dataset  # noqa: E402  (same data and feature cache)
 
 
 def positions(samples, feats, idx):
@@ -123,15 +124,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
-    ds = build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
-                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples,
-                       data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
-                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+    ds = sweep_dataset(cfg, loaded, args.samples)
     layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
-    # The cache key recipe_sweep.py uses for the same data and layers.
-    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), len(ds.train),
-                                     layer_ids]).encode()).hexdigest()[:12]
-    cache = Path(args.feature_dir) / f"features-{key}.pt"
+    cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
     if not cache.is_file():
         print(f"no captured features at {cache}: run bench/recipe_sweep.py with the same --config and --samples first",
               file=sys.stderr)

@@ -100,6 +100,21 @@ def batches(samples, feats, rng: random.Random, seqs: int):
             yield f, ids, mask, lens
 
 
+def sweep_dataset(cfg, loaded, samples: int):
+    """The first ``samples`` samples of the config's data, split as the target splits them."""
+    return build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
+                         heldout_fraction=cfg.data.heldout_fraction, max_samples=samples,
+                         data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
+                         num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+
+
+def feature_cache_path(feature_dir: str, cfg, num_train: int, layer_ids: list[int]) -> Path:
+    """Where the captured features of this data and these layers are kept between runs."""
+    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), num_train,
+                                     layer_ids]).encode()).hexdigest()[:12]
+    return Path(feature_dir) / f"features-{key}.pt"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
@@ -119,16 +134,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
-    ds = build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
-                       heldout_fraction=cfg.data.heldout_fraction, max_samples=args.samples,
-                       data_format=cfg.data.format, chat_template_kwargs=cfg.data.chat_template_kwargs,
-                       num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
+    ds = sweep_dataset(cfg, loaded, args.samples)
     layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
     mask_id = pick_mask_token_id(loaded.tokenizer, None, vocab_size=loaded.vocab_size)
     t0 = time.monotonic()
-    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), len(ds.train),
-                                     layer_ids]).encode()).hexdigest()[:12]
-    cache = Path(args.feature_dir) / f"features-{key}.pt"
+    cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
     if cache.is_file():
         feats = torch.load(cache)
     else:
