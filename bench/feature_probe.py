@@ -3,8 +3,8 @@
     python bench/feature_probe.py --config configs/quality.toml --samples 340 --holdout 40
 
 For every answer position ``a`` of the first ``--samples`` training samples
-(features captured once by ``bench/recipe_sweep.py``, read from its
-``--feature-dir``), predict token ``a + 1`` (the first draft slot of a block
+(features captured once and kept in ``--feature-dir``, shared with
+``bench/recipe_sweep.py``), predict token ``a + 1`` (the first draft slot of a block
 anchored at ``a``) from what a drafter has at that point. Four predictors, all
 scored on the last ``--holdout`` samples:
 
@@ -38,7 +38,7 @@ from target_server.data import token_ranking  # noqa: E402
 from target_server.model_loader import embedding_weights, load_target  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from recipe_sweep import feature_cache_path, sweep_dataset  # noqa: E402  (same data and feature cache)
+from recipe_sweep import capture_all, feature_cache_path, sweep_dataset  # noqa: E402  (same data and feature cache)
 
 
 def positions(samples, feats, idx):
@@ -116,6 +116,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=340, help="training samples whose features recipe_sweep captured")
     p.add_argument("--holdout", type=int, default=40, help="the last this many of them score the predictors")
     p.add_argument("--steps", type=int, default=1500, help="probe training steps (512 positions each)")
+    p.add_argument("--layer-ids", help="capture these target layers (comma-separated) instead of the config's")
     p.add_argument("--layer", type=int, help="give the probe only this captured layer's features (index in the list)")
     p.add_argument("--vocab", type=int, default=8192, help="the probe scores the most used answer tokens")
     p.add_argument("--threads", type=int, default=2)
@@ -125,13 +126,15 @@ def main() -> int:
     cfg = load_config(args.config)
     loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
     ds = sweep_dataset(cfg, loaded, args.samples)
-    layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
+    layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids else
+                 cfg.target.target_layer_ids or build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers))
     cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
-    if not cache.is_file():
-        print(f"no captured features at {cache}: run bench/recipe_sweep.py with the same --config and --samples first",
-              file=sys.stderr)
-        return 2
-    feats = torch.load(cache)
+    if cache.is_file():
+        feats = torch.load(cache)
+    else:
+        feats = capture_all(loaded, layer_ids, ds.train)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(feats, cache)
     if args.layer is not None:
         h = loaded.hidden_size
         feats = {j: f[:, args.layer * h:(args.layer + 1) * h] for j, f in feats.items()}

@@ -31,11 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
-from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, init_feature_scale, init_logit_scale, make_drafter_config  # noqa: E402
+from drafter_worker.model.dflash_model import (  # noqa: E402
+    DFlashDrafter, _block_hidden, _weighted_slot_loss, build_block_inputs, build_target_layer_ids, init_feature_scale,
+    init_logit_scale, make_drafter_config, sample_anchors)
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
 from target_server.data import build_dataset, token_ranking  # noqa: E402
-from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id  # noqa: E402
+from target_server.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id  # noqa: E402
 from tools.eval import evaluate, stop_token_ids  # noqa: E402
 
 
@@ -100,6 +102,37 @@ def batches(samples, feats, rng: random.Random, seqs: int):
             yield f, ids, mask, lens
 
 
+@torch.no_grad()
+def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, list[float]]:
+    """Teacher-forced tau on the samples ``idx``: every eligible anchor of every sample, drafted once.
+
+    On the target's own greedy answers a drafter's context at an anchor is exactly what speculative
+    decoding gives it (the target's features of the true prefix), so this is tau averaged over every
+    anchor position: the same quantity as measured tau with far less noise than a few hundred
+    draft-and-verify steps. A block running past the end of its answer counts its missing slots as
+    rejected.
+    """
+    model.eval()
+    bs = model.block_size
+    accepted = torch.zeros(bs - 1)
+    blocks = 0
+    for j in idx:
+        s = samples[j]
+        ids, mask = s.input_ids.long()[None], s.loss_mask[None]
+        lens = torch.tensor([len(s)])
+        anchors, valid = sample_anchors(mask, lens, len(s))
+        inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors,
+                                    anchor_valid=valid, block_size=bs, mask_token_id=model.mask_token_id)
+        hidden = _block_hidden(model, inputs, feats[j][None], embed, anchors)
+        _, hits = _weighted_slot_loss(model, hidden, inputs, head, 1.0, "auto")
+        run = (hits.bool() & inputs.label_valid[:, :, 1:]).long().cumprod(-1)  # slots 1..k all right
+        accepted += run[valid].sum(0).float()
+        blocks += int(valid.sum())
+    model.train()
+    rates = (accepted / max(blocks, 1)).tolist()
+    return 1.0 + sum(rates), rates
+
+
 def sweep_dataset(cfg, loaded, samples: int):
     """The first ``samples`` samples of the config's data, split as the target splits them."""
     return build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
@@ -125,7 +158,9 @@ def main() -> int:
                    help="train each variant this many steps instead of --minutes (fair when the machine is shared)")
     p.add_argument("--samples", type=int, default=400)
     p.add_argument("--seqs", type=int, default=4, help="sequences per step")
-    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--holdout", type=int, default=40,
+                   help="the last this many captured samples are not trained on; they score teacher-forced tau")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of measured tau (0: skip it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
@@ -135,17 +170,24 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides)
     loaded = load_target(cfg.target.model, device="cpu", dtype=torch.float32)
     ds = sweep_dataset(cfg, loaded, args.samples)
-    layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
     mask_id = pick_mask_token_id(loaded.tokenizer, None, vocab_size=loaded.vocab_size)
-    t0 = time.monotonic()
-    cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
-    if cache.is_file():
-        feats = torch.load(cache)
-    else:
-        feats = capture_all(loaded, layer_ids, ds.train)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(feats, cache)
-    print(f"features of {len(ds.train)} samples ready in {time.monotonic() - t0:.0f}s ({cache})", flush=True)
+    captured: dict[tuple, dict] = {}
+
+    def features(layer_ids: list[int]) -> dict:
+        """The training samples' features of these target layers (captured once, kept on disk)."""
+        if tuple(layer_ids) not in captured:
+            captured.clear()  # one layer set in memory at a time
+            t0 = time.monotonic()
+            cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
+            if cache.is_file():
+                captured[tuple(layer_ids)] = torch.load(cache)
+            else:
+                captured[tuple(layer_ids)] = capture_all(loaded, layer_ids, ds.train)
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(captured[tuple(layer_ids)], cache)
+            print(f"features of layers {layer_ids} for {len(ds.train)} samples ready in "
+                  f"{time.monotonic() - t0:.0f}s ({cache})", flush=True)
+        return captured[tuple(layer_ids)]
     embed, head, _ = embedding_weights(loaded.model)
     embed, head = embed.float(), head.float()
     prompts = []
@@ -155,7 +197,8 @@ def main() -> int:
             prompts.append(s.input_ids[: m.index(1)].tolist())
     prompts = prompts[: args.eval_prompts]
     stops = stop_token_ids(loaded.tokenizer, loaded.model)
-    ranking = token_ranking(ds.train, loaded.vocab_size, 1 << 15)
+    n_train = len(ds.train) - args.holdout
+    ranking = token_ranking(ds.train[:n_train], loaded.vocab_size, 1 << 15)
     arch = loaded.config
     for spec in args.variant:
         name, _, sets = spec.partition(":")
@@ -164,11 +207,15 @@ def main() -> int:
         # init.copy_layers=28+29: start the drafter's layers as copies of these target layers (experiment)
         copy_layers = [int(x) for kv in kvs if kv.startswith("init.copy_layers=") for x in kv.split("=", 1)[1].split("+")]
         kvs = [kv for kv in kvs if not kv.startswith("init.")]
-        overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.")) else kv for kv in kvs]
-        vcfg = load_config(args.config, [*args.overrides, *overrides]).drafter
+        overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.", "target.")) else kv for kv in kvs]
+        full = load_config(args.config, [*args.overrides, *overrides])
+        vcfg = full.drafter
+        layer_ids = full.target.target_layer_ids or build_target_layer_ids(loaded.num_layers,
+                                                                            full.target.num_captured_layers)
+        feats = features(layer_ids)
         config = make_drafter_config(
             hidden_size=loaded.hidden_size, num_attention_heads=arch.num_attention_heads,
-            num_key_value_heads=arch.num_key_value_heads, head_dim=loaded.hidden_size // arch.num_attention_heads,
+            num_key_value_heads=vcfg.num_key_value_heads or arch.num_key_value_heads, head_dim=loaded.hidden_size // arch.num_attention_heads,
             intermediate_size=arch.intermediate_size, vocab_size=loaded.vocab_size, rms_norm_eps=arch.rms_norm_eps,
             rope_theta=float((getattr(arch, "rope_parameters", None) or {}).get("rope_theta", getattr(arch, "rope_theta", 10000.0))),
             max_position_embeddings=arch.max_position_embeddings, num_hidden_layers=vcfg.num_layers,
@@ -186,11 +233,15 @@ def main() -> int:
         if vcfg.logit_std_init > 0:
             init_logit_scale(model, embed, head, vcfg.logit_std_init, seed=vcfg.seed)
         if vcfg.feature_scale_init and not copy_layers:
-            f0, _, _, l0 = next(batches(ds.train, feats, random.Random(vcfg.seed + 1), 8))
+            f0, _, _, l0 = next(batches(ds.train[:n_train], feats, random.Random(vcfg.seed + 1), 8))
             init_feature_scale(model, f0, l0)
         gen = torch.Generator().manual_seed(vcfg.seed)
         trainer = DrafterTrainer(vcfg, model, make_optimizer(vcfg, model), gen, 0)
-        data = batches(ds.train, feats, random.Random(vcfg.seed), args.seqs)
+        if vcfg.distill_weight > 0:
+            if layer_ids[-1] != loaded.num_layers - 1:
+                raise SystemExit(f"{name}: distill_weight needs the target's last layer captured, not {layer_ids}")
+            trainer.teacher_norm = final_norm_weight(loaded.model)
+        data = batches(ds.train[:n_train], feats, random.Random(vcfg.seed), args.seqs)
         # Schedule: estimate the budget's steps from the first 3 steps' pace.
         budget = args.minutes * 60
         start = time.monotonic()
@@ -209,10 +260,13 @@ def main() -> int:
                 v = trainer.metrics.poll()
                 losses.append(v["loss_sum"][0] / max(v["finite_steps"][0], 1))
         train_s = time.monotonic() - start
+        tf_tau, tf_accept = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)))
         model.eval()
-        report = evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
-        row = {"variant": name, "overrides": overrides, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
+        report = (evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
+                  if prompts else {"tau": float("nan"), "acceptance_rate": [], "speedup": float("nan")})
+        row = {"variant": name, "overrides": overrides, "layers": layer_ids, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
+               "heldout_tau": round(tf_tau, 3), "heldout_accept": [round(a, 3) for a in tf_accept],
                "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
                "speedup": round(report["speedup"], 3), "samples": len(ds.train)}
         print(json.dumps(row), flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: WELCOME.block_size gone, typed payloads; 3: target replicas, ranks and generations
+PROTOCOL_VERSION = 4  # 2: WELCOME.block_size gone, typed payloads; 3: target replicas, ranks and generations; 4: WELCOME.final_norm_weight
 TOKEN_RANKING_MAX = 32768  # ids in WELCOME.token_ranking (about 100 KB of msgpack)
 
 # Value bounds, checked by decode() before a message reaches any state.
@@ -224,10 +225,17 @@ class Welcome(Message):
     replicas: int = 1
     plan_fingerprint: str = ""
     topology_id: str = ""
+    # The weight of the RMSNorm the target applies after its last layer (eps: target_arch.rms_norm_eps),
+    # empty when it has none: with the last layer captured, a drafter computes the target's own
+    # next-token distribution from it (drafter.distill_weight).
+    final_norm_weight: list[float] = optional(default_factory=list)
 
     def check_values(self) -> None:
         for name in ("gpu_uuid", "plan_fingerprint", "topology_id"):
             _require(len(getattr(self, name)) <= MAX_TEXT, f"WELCOME.{name} is longer than {MAX_TEXT}")
+        _require(len(self.final_norm_weight) in (0, self.hidden_size),
+                 "WELCOME.final_norm_weight must be empty or hold hidden_size values")
+        _require(all(math.isfinite(w) for w in self.final_norm_weight), "WELCOME.final_norm_weight must be finite")
         _require(0 < self.replicas <= MAX_REPLICAS and 0 <= self.replica < self.replicas,
                  f"WELCOME needs 0 <= replica < replicas <= {MAX_REPLICAS}")
 

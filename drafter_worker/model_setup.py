@@ -55,7 +55,7 @@ def fresh_model(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) -
     config = make_drafter_config(
         hidden_size=welcome.hidden_size,
         num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
+        num_key_value_heads=dcfg.num_key_value_heads or arch.num_key_value_heads,
         head_dim=arch.head_dim,
         intermediate_size=arch.intermediate_size,
         vocab_size=welcome.vocab_size,
@@ -112,6 +112,20 @@ def model_from_init(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.devic
                        model.draft_vocab_size or "none")
     logger.info("[model] drafter %s starts from the trained drafter %s", dcfg.id, dcfg.init_from)
     return model
+
+
+def teacher_norm(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) -> tuple[torch.Tensor, float] | None:
+    """The target's final norm for the soft-target loss (drafter.distill_weight > 0), checked against what it captures."""
+    if dcfg.distill_weight <= 0:
+        return None
+    last = welcome.num_target_layers - 1
+    if welcome.target_layer_ids[-1] != last or not welcome.final_norm_weight:
+        raise FatalError(
+            f"drafter.distill_weight = {dcfg.distill_weight} needs the target's own distribution: the target must "
+            f"capture its last layer ({last}) as the last of target.target_layer_ids (it captures "
+            f"{welcome.target_layer_ids}) and have a final RMSNorm ({'sent' if welcome.final_norm_weight else 'none'})")
+    weight = torch.tensor(welcome.final_norm_weight, dtype=torch.float32, device=device)
+    return weight, float(welcome.target_arch.rms_norm_eps)
 
 
 def init_from_path(dcfg: DrafterConfig) -> str:

@@ -83,6 +83,8 @@ class DrafterTrainer:
         self.step = step
         self.plan_steps = 0  # the target's plan length for this group (WELCOME); sets the schedule when max_steps is 0
         self.collect_metrics = collect_metrics  # off only to measure what metrics cost (bench/)
+        # The target's final norm (weight, eps) from WELCOME: the soft-target loss needs it (drafter.distill_weight).
+        self.teacher_norm: tuple[torch.Tensor, float] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
         bs = model.block_size
@@ -133,6 +135,8 @@ class DrafterTrainer:
             loss_gamma=self.cfg.loss_gamma,
             loss_impl=self.cfg.loss_impl,
             generator=self.generator,
+            distill_weight=self.cfg.distill_weight,
+            teacher_norm=self.teacher_norm,
         )
         (out.loss if contribute else out.loss * 0.0).backward()
         # Returns the pre-clip norm as a device tensor; clipping itself is a device op.
@@ -192,6 +196,8 @@ class DrafterTrainer:
                 loss_gamma=self.cfg.loss_gamma,
                 loss_impl=self.cfg.loss_impl,
                 generator=generator,
+                distill_weight=self.cfg.distill_weight,
+                teacher_norm=self.teacher_norm,
             )
             out.loss.backward()
             progress.update()

@@ -522,6 +522,7 @@ class DrafterWorker:
             self.state = model_setup.new_state(self.dcfg, welcome, model_setup.init_from_path(self.dcfg))
         self.state.world_size = self.world_size
         trainer = DrafterTrainer(self.dcfg, model, optimizer, generator, self.state.step)
+        trainer.teacher_norm = model_setup.teacher_norm(self.dcfg, welcome, self.device)
         self._set_plan(trainer, welcome)
         self._warm_up(trainer, welcome)  # before the DDP wrap: its hooks expect every backward through its forward
         self.trainer = trainer

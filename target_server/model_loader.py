@@ -345,3 +345,18 @@ def embedding_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
     tied = head.weight is embed.weight or (
         embed_weight.data_ptr() == head_weight.data_ptr() and embed_weight.shape == head_weight.shape)
     return embed_weight, head_weight, tied
+
+
+def final_norm_weight(model: Any) -> tuple[torch.Tensor, float] | None:
+    """``(weight [H], eps)`` of the RMSNorm a decoder-only LM applies after its last layer, or None.
+
+    The drafter's soft-target loss (``drafter.distill_weight``) applies it to the captured last layer to
+    get the target's own next-token distribution. None when the model has no such norm (a LayerNorm
+    with a bias, or none at all): that target cannot teach with its distribution.
+    """
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if weight is None or eps is None or getattr(norm, "bias", None) is not None:
+        return None
+    return weight.detach(), float(eps)

@@ -47,7 +47,7 @@ from target_server.coordinator import Admission, Coordinator
 from target_server.data import build_dataset, fingerprint, token_ranking
 from target_server.data_plane import DataPlane, Endpoint, make_data_plane
 from target_server.feature_cache import FeatureCache
-from target_server.model_loader import embedding_weights, load_target, pick_mask_token_id
+from target_server.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ class TargetServer:
         )
         self.capture = LayerCapture(loaded.model, self.layer_ids)
         self.feature_dim = len(self.layer_ids) * loaded.hidden_size
+        final_norm = final_norm_weight(loaded.model)
+        self.final_norm_weight = [] if final_norm is None else final_norm[0].float().cpu().tolist()
         logger.info(
             "[startup] target %s: %d layers, hidden %d, vocab %d; capturing layers %s; mask token %d; transport %s",
             loaded.model_id, loaded.num_layers, loaded.hidden_size, loaded.vocab_size, self.layer_ids,
@@ -420,6 +422,7 @@ class TargetServer:
             replicas=self.shard.replicas,
             plan_fingerprint=self.plan_fingerprint,
             topology_id=self.topology_id,
+            final_norm_weight=self.final_norm_weight,
             **endpoint.welcome_fields(),
         )
 

@@ -30,8 +30,9 @@ imports only torch and transformers because ``dflash-export`` ships it with
 every exported drafter for ``AutoModel.from_pretrained(..., trust_remote_code=True)``.
 This module adds what only training needs (initialisation, anchors, the loss)
 and checkpoint I/O. It depends only on torch, safetensors, transformers,
-``drafter_worker.model.modeling_dflash`` and ``drafter_worker.model.lm_loss`` (the fused LM-head
-loss, which uses Triton when it can); it must never import the process packages.
+``drafter_worker.model.modeling_dflash``, ``drafter_worker.model.lm_loss`` (the fused LM-head
+loss, which uses Triton when it can) and ``drafter_worker.model.distill_loss`` (the soft-target
+loss); it must never import the process packages.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from transformers import Qwen3Config
 
 from drafter_worker.model import modeling_dflash
 from common.layer_ids import build_target_layer_ids
+from drafter_worker.model.distill_loss import soft_target_loss, teacher_hidden
 from drafter_worker.model.lm_loss import fused_lm_head_loss
 from drafter_worker.model.modeling_dflash import (
     FULL_ATTENTION,
@@ -595,6 +597,8 @@ def dflash_block_loss(
     generator: torch.Generator | None = None,
     anchors: torch.Tensor | None = None,
     anchor_valid: torch.Tensor | None = None,
+    distill_weight: float = 0.0,
+    teacher_norm: tuple[torch.Tensor, float] | None = None,
 ) -> BlockLossOutput:
     """DFlash block-diffusion loss for one batch.
 
@@ -606,6 +610,12 @@ def dflash_block_loss(
 
     ``features`` is ``[B, T, k*H]``; ``embed_weight`` and ``lm_head_weight``
     are the frozen target embedding and LM head ``[V, H]``.
+
+    ``distill_weight`` > 0 mixes in the soft-target loss (``drafter.distill_weight``):
+    ``(1 - w) * hard + w * soft``, the soft part scoring slot k against the
+    target's distribution at position a+k-1. It needs the last ``H`` feature
+    columns to be the target's last layer and ``teacher_norm`` = (the target's
+    final norm weight, its eps).
     """
     if loss_gamma <= 0:
         raise ValueError(f"loss_gamma must be positive, got {loss_gamma}")
@@ -622,7 +632,35 @@ def dflash_block_loss(
     )
     hidden = _block_hidden(drafter, blocks, features, embed_weight, anchors)
     loss, hits = _weighted_slot_loss(drafter, hidden, blocks, lm_head_weight, loss_gamma, loss_impl)
+    if distill_weight > 0:
+        if teacher_norm is None:
+            raise ValueError("distill_weight > 0 needs teacher_norm (the target's final norm weight and eps)")
+        soft = _soft_slot_loss(drafter, hidden, blocks, features, anchors, lm_head_weight, loss_gamma, teacher_norm)
+        loss = (1.0 - distill_weight) * loss + distill_weight * soft
     return _block_loss_output(loss, hits, blocks.label_valid)
+
+
+def _soft_slot_loss(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    blocks: BlockInputs,
+    features: torch.Tensor,
+    anchors: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    loss_gamma: float,
+    teacher_norm: tuple[torch.Tensor, float],
+) -> torch.Tensor:
+    """Slot-weighted mean cross-entropy of slots 1.. against the target's distribution at a+k-1."""
+    bsz, num = anchors.shape
+    bs, width = drafter.block_size, hidden.shape[-1]
+    offsets = torch.arange(bs - 1, device=anchors.device)
+    pos = (anchors[:, :, None] + offsets).clamp(max=features.shape[1] - 1).reshape(bsz, -1, 1)
+    last = torch.gather(features[..., -width:], 1, pos.expand(-1, -1, width)).view(bsz, num, bs - 1, width)
+    teacher = teacher_hidden(last, teacher_norm[0], teacher_norm[1])
+    head, _, _ = drafter.head_and_labels(lm_head_weight)
+    weights = (_slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid)[:, :, 1:]
+    loss_sum, weight_sum = soft_target_loss(hidden[:, :, 1:], teacher, head, weights)
+    return loss_sum / weight_sum.clamp(min=1e-6)
 
 
 def _resolve_anchors(

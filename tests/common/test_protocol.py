@@ -31,6 +31,7 @@ SAMPLES: dict[str, P.Message] = {
         shm_weights_name="dflash.42.weights", plan_batches=300, batches_per_epoch=100, token_ranking=[5, 3, 9],
         train_samples=1000, data_fingerprint="ab" * 16, gpu_uuid="GPU-9f8e7d6c-5b4a-3928-1706-f5e4d3c2b1a0",
         replica=2, replicas=5, plan_fingerprint="d" * 16, topology_id="c" * 16,
+        final_norm_weight=[0.5 + i / 1024 for i in range(576)],
     ),
     "ERROR": P.Error(code=P.E_CONFIG, message="config hash abc != def"),
     "REQUEST": P.Request(credits=2),
@@ -104,7 +105,7 @@ def test_encode_is_plain_msgpack(name):
     ("BATCH", {"slot"}), ("HEARTBEAT", {"capture_stalled_s"}), ("STATUS_REQUEST", {"auth"}), ("HELLO", {"auth", "gpu_uuid"}),
     ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name",
                                      "plan_batches", "batches_per_epoch", "token_ranking",
-                                     "train_samples", "data_fingerprint", "gpu_uuid"}),
+                                     "train_samples", "data_fingerprint", "gpu_uuid", "final_norm_weight"}),
 ])
 def test_fields_added_later_are_left_out_at_their_defaults(name, added):
     msg = dataclasses.replace(SAMPLES[name], **{f.name: f.default if f.default is not dataclasses.MISSING
@@ -408,6 +409,8 @@ def test_protocol_error_carries_code_and_message():
     ("HELLO", {"generation": -1}),
     ("HELLO", {"replica": 5000}),
     ("WELCOME", {"replica": 5}),  # not below replicas
+    ("WELCOME", {"final_norm_weight": [1.0] * 575}),  # not hidden_size values
+    ("WELCOME", {"final_norm_weight": [1.0] * 575 + [float("inf")]}),
     ("HELLO", {"config_hash": "h" * 300}),
     ("HELLO", {"step": -5}),
     ("REQUEST", {"credits": 10**6}),

@@ -82,3 +82,27 @@ def test_a_drafter_whose_steps_are_all_non_finite_stops_with_exit_code_3(tmp_pat
     assert all(math.isfinite(r["values"].get("loss", 0.0)) for r in job.metrics() if r["source"] == "drafter/d0")
     # Nothing was checkpointed from those steps.
     assert not (run_dir / "checkpoints" / "d0" / "latest").exists()
+
+
+def test_a_drafter_distils_the_targets_distribution_from_its_captured_last_layer(tmp_path, tiny_llama_dir):
+    # The tiny target has 6 layers: capturing layer 5 lets the drafter compute the target's own distribution
+    # from WELCOME.final_norm_weight; the drafter also has its own key/value head count.
+    config = write_config(tmp_path, str(tiny_llama_dir),
+                          drafters={"d0": {"distill_weight": 0.5, "num_key_value_heads": 4}},
+                          sections={"target": ["target_layer_ids = [1, 3, 5]"], "data": ["num_epochs = 1"]})
+    config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 24"))
+    run_dir = tmp_path / "runs" / "it"
+    with Job(config, run_dir) as job:
+        job.start_metrics()
+        job.start_target()
+        job.start_drafter("d0")
+        assert job.procs["d0"].wait(180) == 0, job.all_consoles()
+        codes = {name: job.terminate(name, timeout_s=40) for name in ("target", "metrics")}
+        assert codes == {"target": 0, "metrics": 0}, job.all_consoles()
+    report = verify_lineage(run_dir, "d0")
+    assert report.ok, report.problems
+    losses = [r["values"]["loss"] for r in job.metrics() if r["source"] == "drafter/d0" and "loss" in r["values"]]
+    assert losses and all(math.isfinite(x) for x in losses)
+    from drafter_worker.model.dflash_model import load_drafter
+    step_dir = run_dir / "checkpoints" / "d0" / (run_dir / "checkpoints" / "d0" / "latest").read_text().strip()
+    assert load_drafter(step_dir).config.num_key_value_heads == 4
