@@ -103,19 +103,23 @@ def batches(samples, feats, rng: random.Random, seqs: int):
 
 
 @torch.no_grad()
-def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, list[float]]:
+def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, list[float], float]:
     """Teacher-forced tau on the samples ``idx``: every eligible anchor of every sample, drafted once.
 
     On the target's own greedy answers a drafter's context at an anchor is exactly what speculative
-    decoding gives it (the target's features of the true prefix), so this is tau averaged over every
-    anchor position: the same quantity as measured tau with far less noise than a few hundred
-    draft-and-verify steps. A block running past the end of its answer counts its missing slots as
-    rejected.
+    decoding gives it (the target's features of the true prefix), so the drafts at every anchor are
+    the ones decoding would make there. Returns ``(position-averaged tau, acceptance by block
+    position, decoding tau)``: the first averages over every anchor; the last walks each answer as
+    greedy speculative decoding does (from its first token, each step moving past the accepted
+    drafts and the target's own token), which weighs the positions as decoding visits them (hard
+    stretches take more steps) and is exact for greedy decoding of these answers, without the noise
+    of timing a few hundred steps. A block running past the end of its answer counts its missing
+    slots as rejected.
     """
     model.eval()
     bs = model.block_size
     accepted = torch.zeros(bs - 1)
-    blocks = 0
+    blocks = steps = tokens = 0
     for j in idx:
         s = samples[j]
         ids, mask = s.input_ids.long()[None], s.loss_mask[None]
@@ -128,9 +132,16 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
         run = (hits.bool() & inputs.label_valid[:, :, 1:]).long().cumprod(-1)  # slots 1..k all right
         accepted += run[valid].sum(0).float()
         blocks += int(valid.sum())
+        # The decoding walk: the first anchor is the answer's first token (the prefill's output).
+        gained = dict(zip(anchors[valid].tolist(), run[valid].sum(-1).tolist()))
+        a = s.loss_mask.tolist().index(1)
+        while a in gained:
+            steps += 1
+            tokens += gained[a] + 1
+            a += gained[a] + 1
     model.train()
     rates = (accepted / max(blocks, 1)).tolist()
-    return 1.0 + sum(rates), rates
+    return 1.0 + sum(rates), rates, tokens / max(steps, 1)
 
 
 def sweep_dataset(cfg, loaded, samples: int):
@@ -161,6 +172,9 @@ def main() -> int:
     p.add_argument("--holdout", type=int, default=40,
                    help="the last this many captured samples are not trained on; they score teacher-forced tau")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of measured tau (0: skip it)")
+    p.add_argument("--eval-on", choices=("heldout-split", "holdout"), default="heldout-split",
+                   help="measured tau on the data's held-out conversations, or on the --holdout samples that "
+                        "teacher-forced tau scores (the two then measure the same answers)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
@@ -190,14 +204,14 @@ def main() -> int:
         return captured[tuple(layer_ids)]
     embed, head, _ = embedding_weights(loaded.model)
     embed, head = embed.float(), head.float()
+    n_train = len(ds.train) - args.holdout
     prompts = []
-    for s in ds.heldout:
+    for s in ds.heldout if args.eval_on == "heldout-split" else ds.train[n_train:]:
         m = s.loss_mask.tolist()
         if 1 in m and m.index(1) > 0:
             prompts.append(s.input_ids[: m.index(1)].tolist())
     prompts = prompts[: args.eval_prompts]
     stops = stop_token_ids(loaded.tokenizer, loaded.model)
-    n_train = len(ds.train) - args.holdout
     ranking = token_ranking(ds.train[:n_train], loaded.vocab_size, 1 << 15)
     arch = loaded.config
     for spec in args.variant:
@@ -260,13 +274,18 @@ def main() -> int:
                 v = trainer.metrics.poll()
                 losses.append(v["loss_sum"][0] / max(v["finite_steps"][0], 1))
         train_s = time.monotonic() - start
-        tf_tau, tf_accept = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)))
+        tf_tau, tf_accept, walk_tau = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)))
+        walk_of_eval = None
+        if args.eval_on == "holdout" and prompts:  # the same answers measured tau decodes
+            eval_idx = [j for j in range(n_train, len(ds.train)) if 0 < ds.train[j].loss_mask.tolist().index(1)]
+            walk_of_eval = round(heldout_acceptance(model, ds.train, feats, embed, head, eval_idx[: len(prompts)])[2], 3)
         model.eval()
         report = (evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
                   if prompts else {"tau": float("nan"), "acceptance_rate": [], "speedup": float("nan")})
         row = {"variant": name, "overrides": overrides, "layers": layer_ids, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
                "heldout_tau": round(tf_tau, 3), "heldout_accept": [round(a, 3) for a in tf_accept],
+               "heldout_walk_tau": round(walk_tau, 3), "walk_tau_of_eval_prompts": walk_of_eval,
                "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
                "speedup": round(report["speedup"], 3), "samples": len(ds.train)}
         print(json.dumps(row), flush=True)

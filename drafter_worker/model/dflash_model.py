@@ -55,7 +55,7 @@ from transformers import Qwen3Config
 
 from drafter_worker.model import modeling_dflash
 from common.layer_ids import build_target_layer_ids
-from drafter_worker.model.distill_loss import soft_target_loss, teacher_hidden
+from drafter_worker.model.distill_loss import distill_lm_head_loss, teacher_hidden
 from drafter_worker.model.lm_loss import fused_lm_head_loss
 from drafter_worker.model.modeling_dflash import (
     FULL_ATTENTION,
@@ -631,16 +631,17 @@ def dflash_block_loss(
         mask_token_id=drafter.mask_token_id,
     )
     hidden = _block_hidden(drafter, blocks, features, embed_weight, anchors)
-    loss, hits = _weighted_slot_loss(drafter, hidden, blocks, lm_head_weight, loss_gamma, loss_impl)
     if distill_weight > 0:
         if teacher_norm is None:
             raise ValueError("distill_weight > 0 needs teacher_norm (the target's final norm weight and eps)")
-        soft = _soft_slot_loss(drafter, hidden, blocks, features, anchors, lm_head_weight, loss_gamma, teacher_norm)
-        loss = (1.0 - distill_weight) * loss + distill_weight * soft
+        loss, hits = _distilled_slot_loss(drafter, hidden, blocks, features, anchors, lm_head_weight, loss_gamma,
+                                          distill_weight, teacher_norm)
+    else:
+        loss, hits = _weighted_slot_loss(drafter, hidden, blocks, lm_head_weight, loss_gamma, loss_impl)
     return _block_loss_output(loss, hits, blocks.label_valid)
 
 
-def _soft_slot_loss(
+def _distilled_slot_loss(
     drafter: DFlashDrafter,
     hidden: torch.Tensor,
     blocks: BlockInputs,
@@ -648,19 +649,29 @@ def _soft_slot_loss(
     anchors: torch.Tensor,
     lm_head_weight: torch.Tensor,
     loss_gamma: float,
+    distill_weight: float,
     teacher_norm: tuple[torch.Tensor, float],
-) -> torch.Tensor:
-    """Slot-weighted mean cross-entropy of slots 1.. against the target's distribution at a+k-1."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, hits)`` as :func:`_weighted_slot_loss`, the loss mixing in the target's distribution at a+k-1.
+
+    ``(1 - w)`` x the slot-weighted mean cross-entropy against the labels plus ``w`` x the same against the
+    target's softmax; a label outside a draft vocabulary drops out of the hard part only.
+    """
     bsz, num = anchors.shape
     bs, width = drafter.block_size, hidden.shape[-1]
     offsets = torch.arange(bs - 1, device=anchors.device)
     pos = (anchors[:, :, None] + offsets).clamp(max=features.shape[1] - 1).reshape(bsz, -1, 1)
     last = torch.gather(features[..., -width:], 1, pos.expand(-1, -1, width)).view(bsz, num, bs - 1, width)
     teacher = teacher_hidden(last, teacher_norm[0], teacher_norm[1])
-    head, _, _ = drafter.head_and_labels(lm_head_weight)
-    weights = (_slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid)[:, :, 1:]
-    loss_sum, weight_sum = soft_target_loss(hidden[:, :, 1:], teacher, head, weights)
-    return loss_sum / weight_sum.clamp(min=1e-6)
+    head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
+    soft = (_slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid)[:, :, 1:]
+    hard = soft if in_vocab is None else soft * in_vocab
+    hard = (1.0 - distill_weight) * hard / hard.sum().clamp(min=1e-6)
+    soft = distill_weight * soft / soft.sum().clamp(min=1e-6)
+    loss, hits = distill_lm_head_loss(hidden[:, :, 1:], teacher, head, labels, hard, soft)
+    if in_vocab is not None:
+        hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
+    return loss, hits
 
 
 def _resolve_anchors(

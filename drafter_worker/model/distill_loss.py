@@ -11,10 +11,11 @@ draft slot trained on the distribution against 0.48 on the hard labels
 The teacher's logits come from the target's last layer: the drafter applies
 the target's final norm to that captured layer and multiplies by the same
 frozen LM head rows it scores its own hidden states with, so the loss needs
-no extra transfer. Rows are processed in chunks; a chunk's ``[rows, V]``
-gradient coefficients are kept for the backward when they fit
-``keep_bytes`` (one matmul in the backward), otherwise recomputed from the
-saved inputs. No device-to-host sync.
+no extra transfer. The hard and the soft part share one pass over the head.
+Rows are processed in chunks; a chunk's ``[rows, V]`` gradient coefficients
+are kept for the backward when they fit ``keep_bytes`` (one matmul in the
+backward), otherwise recomputed from the saved inputs. No device-to-host
+sync.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["soft_target_loss", "teacher_hidden"]
+__all__ = ["distill_lm_head_loss", "teacher_hidden"]
 
 DEFAULT_CHUNK_ROWS = 1024
 DEFAULT_KEEP_BYTES = 256 << 20
@@ -37,70 +38,88 @@ def teacher_hidden(last_layer: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     return norm_weight.float() * x32
 
 
-def _chunk(x: torch.Tensor, teacher: torch.Tensor, head: torch.Tensor, w: torch.Tensor):
-    """``(loss_sum, coef)`` of one row chunk; ``coef = w * (softmax(student) - softmax(teacher))``."""
+def _chunk(x, teacher, head, labels, hard, soft):
+    """``(loss_sum, hits, coef)`` of one row chunk; ``coef`` is d(loss_sum)/d(student logits)."""
     student = F.linear(x.to(head.dtype), head).float()
     target = F.linear(teacher.to(head.dtype), head).float()
     log_p = F.log_softmax(student, dim=-1)
     q = F.softmax(target, dim=-1)
-    loss_sum = (w * -(q * log_p).sum(-1)).sum()
-    return loss_sum, w[:, None] * (log_p.exp() - q)
+    hard_ce = -log_p.gather(1, labels[:, None]).squeeze(1)
+    soft_ce = -(q * log_p).sum(-1)
+    loss_sum = (hard * hard_ce + soft * soft_ce).sum()
+    hits = (student.argmax(-1) == labels).float()
+    coef = (hard + soft)[:, None] * log_p.exp() - soft[:, None] * q
+    coef.scatter_add_(1, labels[:, None], -hard[:, None])
+    return loss_sum, hits, coef
 
 
-class _SoftTargetLoss(torch.autograd.Function):
+class _DistillLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, teacher, head, w, chunk_rows: int, keep_bytes: int):
+    def forward(ctx: Any, x, teacher, head, labels, hard, soft, chunk_rows: int, keep_bytes: int):
         keep = x.shape[0] * head.shape[0] * 4 <= keep_bytes
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        coefs = []
+        hits, coefs = [], []
         for i in range(0, x.shape[0], chunk_rows):
-            loss_sum, coef = _chunk(x[i:i + chunk_rows], teacher[i:i + chunk_rows], head, w[i:i + chunk_rows])
+            rows = slice(i, i + chunk_rows)
+            loss_sum, chunk_hits, coef = _chunk(x[rows], teacher[rows], head, labels[rows], hard[rows], soft[rows])
             total = total + loss_sum
+            hits.append(chunk_hits)
             if keep:
                 coefs.append(coef)
         ctx.chunk_rows = chunk_rows
         ctx.coefs = coefs if keep else None
-        ctx.save_for_backward(x, teacher, head, w)
-        return total
+        ctx.save_for_backward(x, teacher, head, labels, hard, soft)
+        ctx.mark_non_differentiable(*hits)
+        return (total, torch.cat(hits) if hits else x.new_zeros(0, dtype=torch.float32))
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor):
-        x, teacher, head, w = ctx.saved_tensors
-        rows = ctx.chunk_rows
+    def backward(ctx: Any, grad_loss: torch.Tensor, _grad_hits: Any):
+        x, teacher, head, labels, hard, soft = ctx.saved_tensors
+        step = ctx.chunk_rows
         grads = []
-        for n, i in enumerate(range(0, x.shape[0], rows)):
-            coef = ctx.coefs[n] if ctx.coefs is not None else _chunk(x[i:i + rows], teacher[i:i + rows], head,
-                                                                      w[i:i + rows])[1]
+        for n, i in enumerate(range(0, x.shape[0], step)):
+            rows = slice(i, i + step)
+            coef = (ctx.coefs[n] if ctx.coefs is not None
+                    else _chunk(x[rows], teacher[rows], head, labels[rows], hard[rows], soft[rows])[2])
             grads.append((coef.to(head.dtype) @ head).float())
         ctx.coefs = None
         grad_x = (torch.cat(grads) * grad_loss).to(x.dtype) if grads else torch.zeros_like(x)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None
 
 
-def soft_target_loss(
+def distill_lm_head_loss(
     hidden: torch.Tensor,
     teacher: torch.Tensor,
     head: torch.Tensor,
-    weights: torch.Tensor,
+    labels: torch.Tensor,
+    hard_weights: torch.Tensor,
+    soft_weights: torch.Tensor,
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss_sum, weight_sum)``: ``sum(weights * CE(softmax(teacher @ head.T), hidden @ head.T))``.
+    """``(loss, hits)``: ``sum(hard_weights * CE(label) + soft_weights * CE(softmax(teacher @ head.T)))``.
 
+    One pass scores both labels: the drafter's logits ``hidden @ head.T`` are
+    computed once for the hard and the soft part (three ``N x V x H`` matmuls
+    in all with the teacher's, against two for the hard loss alone).
     ``hidden`` and ``teacher`` are ``[..., H]`` (the drafter's outputs and the
     target's final hidden states of the same positions), ``head`` the frozen
     ``[V, H]`` rows both are scored on (the draft vocabulary's, when it has
-    one: the teacher is then renormalised over it), ``weights`` ``[...]``.
+    one: the teacher is then renormalised over it), ``labels`` ``[...]`` row
+    indices into ``head``, the weights ``[...]`` (normalised by the caller).
+    ``hits`` is float ``[...]``, 1.0 where the argmax is the label (no grad).
     Only ``hidden`` gets a gradient.
     """
-    if hidden.shape != teacher.shape or hidden.shape[:-1] != weights.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)}, teacher {tuple(teacher.shape)} and weights "
-                         f"{tuple(weights.shape)} must agree")
+    if hidden.shape != teacher.shape or not (hidden.shape[:-1] == labels.shape == hard_weights.shape
+                                             == soft_weights.shape):
+        raise ValueError(f"hidden {tuple(hidden.shape)}, teacher {tuple(teacher.shape)}, labels "
+                         f"{tuple(labels.shape)} and weights {tuple(hard_weights.shape)} / "
+                         f"{tuple(soft_weights.shape)} must agree")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     h = hidden.shape[-1]
-    w = weights.reshape(-1).float()
-    loss_sum = _SoftTargetLoss.apply(hidden.reshape(-1, h), teacher.reshape(-1, h).detach(), head.detach(), w,
-                                     chunk_rows, keep_bytes)
-    return loss_sum, w.sum()
+    loss, hits = _DistillLMHeadLoss.apply(
+        hidden.reshape(-1, h), teacher.reshape(-1, h).detach(), head.detach(), labels.reshape(-1).long(),
+        hard_weights.reshape(-1).float().detach(), soft_weights.reshape(-1).float().detach(), chunk_rows, keep_bytes)
+    return loss, hits.view(labels.shape)

@@ -6,42 +6,46 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter_worker.model.distill_loss import soft_target_loss, teacher_hidden
+from drafter_worker.model.distill_loss import distill_lm_head_loss, teacher_hidden
 
 
-def _reference(hidden, teacher, head, weights):
+def _reference(hidden, teacher, head, labels, hard, soft):
+    log_p = F.log_softmax(hidden @ head.T, -1)
     q = F.softmax(teacher @ head.T, -1)
-    return (weights * -(q * F.log_softmax(hidden @ head.T, -1)).sum(-1)).sum()
+    hard_ce = -log_p.gather(-1, labels[..., None]).squeeze(-1)
+    return (hard * hard_ce + soft * -(q * log_p).sum(-1)).sum(), ((hidden @ head.T).argmax(-1) == labels).float()
 
 
 @pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept-coefficients", "recomputed"])
-def test_soft_target_loss_matches_autograd_reference(keep_bytes):
+def test_distill_loss_matches_autograd_reference(keep_bytes):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)
     teacher = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64)
     head = torch.randn(40, 16, generator=gen, dtype=torch.float64)
-    weights = torch.rand(3, 5, generator=gen, dtype=torch.float64)
-    weights[0, 0] = 0.0
+    labels = torch.randint(0, 40, (3, 5), generator=gen)
+    hard, soft = torch.rand(3, 5, generator=gen, dtype=torch.float64), torch.rand(3, 5, generator=gen, dtype=torch.float64)
+    hard[0, 0] = 0.0
     x = hidden.clone().requires_grad_(True)
-    loss_sum, weight_sum = soft_target_loss(x, teacher, head, weights, chunk_rows=4, keep_bytes=keep_bytes)
-    loss_sum.backward()
+    loss, hits = distill_lm_head_loss(x, teacher, head, labels, hard, soft, chunk_rows=4, keep_bytes=keep_bytes)
+    loss.backward()
     y = hidden.clone().requires_grad_(True)
-    ref = _reference(y, teacher, head, weights)
+    ref, ref_hits = _reference(y, teacher, head, labels, hard.float().double(), soft.float().double())
     ref.backward()
-    assert torch.allclose(loss_sum.double(), ref, rtol=1e-6)
-    assert torch.allclose(weight_sum.double(), weights.sum())
-    assert torch.allclose(x.grad, y.grad, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(loss.double(), ref, rtol=1e-6)
+    assert torch.equal(hits, ref_hits) and hits.sum() > 0
+    assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-5)  # the logits are read as fp32
 
 
-def test_soft_target_loss_is_lowest_at_the_teacher():
-    """Scored on the teacher's own hidden state, the loss is the teacher's entropy: nothing beats it."""
+def test_the_soft_part_is_lowest_at_the_teacher():
+    """Scored on the teacher's own hidden state, the soft loss is the teacher's entropy: nothing beats it."""
     gen = torch.Generator().manual_seed(1)
     teacher = torch.randn(8, 16, generator=gen)
     head = torch.randn(32, 16, generator=gen)
-    weights = torch.ones(8)
-    at_teacher, _ = soft_target_loss(teacher, teacher, head, weights)
+    labels, hard, soft = torch.zeros(8, dtype=torch.long), torch.zeros(8), torch.ones(8)
+    at_teacher, _ = distill_lm_head_loss(teacher, teacher, head, labels, hard, soft)
     for _ in range(5):
-        other, _ = soft_target_loss(teacher + 0.3 * torch.randn(8, 16, generator=gen), teacher, head, weights)
+        other, _ = distill_lm_head_loss(teacher + 0.3 * torch.randn(8, 16, generator=gen), teacher, head, labels,
+                                        hard, soft)
         assert other > at_teacher
 
 
@@ -82,6 +86,8 @@ def test_block_loss_mixes_hard_and_soft_targets():
     hard, soft, half = loss(0.0), loss(1.0), loss(0.5)
     assert torch.allclose(half, 0.5 * hard + 0.5 * soft, rtol=1e-5)
     assert not torch.allclose(hard, soft)
+    # With no soft part the distilled path is the plain hard loss.
+    assert torch.allclose(loss(1e-9), hard, rtol=1e-5)
     drafter.zero_grad()
     soft.backward()
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
