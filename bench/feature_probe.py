@@ -15,7 +15,14 @@ scored on the last ``--holdout`` samples:
 
 The gap between the last two is what a drafter can gain by reading the
 features; docs/recipe.md ("A third sweep") used it to find that the drafter
-was barely ahead of the n-gram tables.
+was barely ahead of the n-gram tables. Two more questions, each one flag:
+
+* ``--each-layer``: which target layer says most? The features probe once per
+  captured layer alone (``--layer-ids`` chooses the layers to capture).
+* ``--soft``: does the target's own distribution teach better than its greedy
+  token? The features probe trained on the hard label, on the target's
+  softmax at position ``a`` (its final norm applied to the captured last
+  layer, which must be the target's last), and on both; scored the same way.
 """
 
 from __future__ import annotations
@@ -35,15 +42,16 @@ sys.path.insert(0, str(ROOT))
 from common.config import load_config  # noqa: E402
 from drafter_worker.model.dflash_model import build_target_layer_ids  # noqa: E402
 from target_server.data import token_ranking  # noqa: E402
-from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+from drafter_worker.model.distill_loss import teacher_hidden  # noqa: E402
+from target_server.model_loader import embedding_weights, final_norm_weight, load_target  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from recipe_sweep import capture_all, feature_cache_path, sweep_dataset  # noqa: E402  (same data and feature cache)
 
 
-def positions(samples, feats, idx):
-    """(features of a-1, token a, token a-1, token a+1) for every trained a+1 of the samples ``idx``."""
-    x, cur, prev, nxt = [], [], [], []
+def positions(samples, feats, idx, teacher=None):
+    """(features of a-1, token a, token a-1, token a+1[, teacher input at a]) for every trained a+1 of ``idx``."""
+    x, cur, prev, nxt, at = [], [], [], [], []
     for j in idx:
         ids, mask = samples[j].input_ids.long(), samples[j].loss_mask
         for a in range(1, len(ids) - 1):
@@ -52,7 +60,10 @@ def positions(samples, feats, idx):
                 cur.append(ids[a])
                 prev.append(ids[a - 1])
                 nxt.append(ids[a + 1])
-    return torch.stack(x), torch.stack(cur), torch.stack(prev), torch.stack(nxt)
+                if teacher is not None:
+                    at.append(teacher[j][a])
+    out = (torch.stack(x), torch.stack(cur), torch.stack(prev), torch.stack(nxt))
+    return (*out, torch.stack(at)) if teacher is not None else out
 
 
 def ngram_accuracy(samples, train_idx, test_idx, n: int) -> float:
@@ -73,8 +84,12 @@ def ngram_accuracy(samples, train_idx, test_idx, n: int) -> float:
     return hits / max(total, 1)
 
 
-def train_probe(train, test, embed, head, vocab_ids, use_features: bool, steps: int, seed: int) -> tuple[float, float]:
-    """(train accuracy, held-out accuracy) of an MLP over the draft vocabulary ``vocab_ids``."""
+def train_probe(train, test, embed, head, vocab_ids, use_features: bool, steps: int, seed: int,
+                labels: str = "hard", norm=None) -> tuple[float, float]:
+    """(train accuracy, held-out accuracy) of an MLP over the draft vocabulary ``vocab_ids``.
+
+    ``labels``: ``hard`` (token a+1), ``soft`` (the target's softmax at a: ``train[4]`` is its last
+    layer there, ``norm`` its final (weight, eps)) or ``both`` (the mean of the two losses)."""
     torch.manual_seed(seed)
     hidden = embed.shape[1]
     rms = train[0].pow(2).mean(0).sqrt().clamp(min=1e-6)  # the captured layers' massive dimensions
@@ -93,17 +108,23 @@ def train_probe(train, test, embed, head, vocab_ids, use_features: bool, steps: 
     rows = head[vocab_ids]
     for _ in range(steps):
         b = torch.randint(0, len(train[3]), (512,))
-        labels = remap[train[3][b]]
-        keep = labels >= 0
+        target = remap[train[3][b]]
+        keep = target >= 0
         logits = net(inputs(train[0][b], train[1][b], train[2][b])) @ rows.T * scale
-        loss = F.cross_entropy(logits[keep], labels[keep])
+        hard = F.cross_entropy(logits[keep], target[keep])
+        if labels == "hard":
+            loss = hard
+        else:
+            q = F.softmax(teacher_hidden(train[4][b], *norm) @ rows.T, -1)
+            soft = -(q * F.log_softmax(logits, -1)).sum(-1).mean()
+            loss = soft if labels == "soft" else 0.5 * (hard + soft)
         opt.zero_grad()
         loss.backward()
         opt.step()
 
     @torch.no_grad()
     def accuracy(data, limit: int = 5000) -> float:
-        x, cur, prev, nxt = (t[:limit] for t in data)
+        x, cur, prev, nxt = (t[:limit] for t in data[:4])
         predicted = vocab_ids[(net(inputs(x, cur, prev)) @ rows.T).argmax(1)]
         return float((predicted == nxt).float().mean())
 
@@ -118,6 +139,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1500, help="probe training steps (512 positions each)")
     p.add_argument("--layer-ids", help="capture these target layers (comma-separated) instead of the config's")
     p.add_argument("--layer", type=int, help="give the probe only this captured layer's features (index in the list)")
+    p.add_argument("--each-layer", action="store_true", help="the features probe once per captured layer alone")
+    p.add_argument("--soft", action="store_true",
+                   help="the features probe on hard labels, the target's distribution and both")
     p.add_argument("--vocab", type=int, default=8192, help="the probe scores the most used answer tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--feature-dir", default="/tmp/dflash-sweep")
@@ -135,19 +159,43 @@ def main() -> int:
         feats = capture_all(loaded, layer_ids, ds.train)
         cache.parent.mkdir(parents=True, exist_ok=True)
         torch.save(feats, cache)
-    if args.layer is not None:
-        h = loaded.hidden_size
-        feats = {j: f[:, args.layer * h:(args.layer + 1) * h] for j, f in feats.items()}
+    h = loaded.hidden_size
     n = len(ds.train)
     train_idx, test_idx = list(range(n - args.holdout)), list(range(n - args.holdout, n))
-    train, test = positions(ds.train, feats, train_idx), positions(ds.train, feats, test_idx)
     embed, head, _ = embedding_weights(loaded.model)
+    embed, head = embed.float(), head.float()
     vocab_ids = torch.tensor(token_ranking(ds.train, loaded.vocab_size, args.vocab)[: args.vocab])
+
+    def one_layer(i: int) -> dict:
+        return {j: f[:, i * h:(i + 1) * h] for j, f in feats.items()}
+
+    if args.each_layer:
+        for i, layer in enumerate(layer_ids):
+            single = one_layer(i)
+            train, test = positions(ds.train, single, train_idx), positions(ds.train, single, test_idx)
+            tr, te = train_probe(train, test, embed, head, vocab_ids, True, args.steps, seed=0)
+            print(json.dumps({"layer": layer, "train": round(tr, 3), "held_out": round(te, 3)}), flush=True)
+        return 0
+    if args.soft:
+        if layer_ids[-1] != loaded.num_layers - 1:
+            print(f"--soft needs the target's last layer ({loaded.num_layers - 1}) last in --layer-ids", file=sys.stderr)
+            return 2
+        norm = final_norm_weight(loaded.model)
+        last = one_layer(len(layer_ids) - 1)
+        use = one_layer(args.layer) if args.layer is not None else feats
+        train, test = positions(ds.train, use, train_idx, last), positions(ds.train, use, test_idx, last)
+        for labels in ("hard", "soft", "both"):
+            tr, te = train_probe(train, test, embed, head, vocab_ids, True, args.steps, seed=0, labels=labels, norm=norm)
+            print(json.dumps({"labels": labels, "train": round(tr, 3), "held_out": round(te, 3)}), flush=True)
+        return 0
+    if args.layer is not None:
+        feats = one_layer(args.layer)
+    train, test = positions(ds.train, feats, train_idx), positions(ds.train, feats, test_idx)
     rows = {"positions": {"train": len(train[3]), "held_out": len(test[3])},
             "bigram": ngram_accuracy(ds.train, train_idx, test_idx, 1),
             "trigram": ngram_accuracy(ds.train, train_idx, test_idx, 2)}
     for name, use in (("probe_tokens", False), ("probe_tokens_and_features", True)):
-        tr, te = train_probe(train, test, embed.float(), head.float(), vocab_ids, use, args.steps, seed=0)
+        tr, te = train_probe(train, test, embed, head, vocab_ids, use, args.steps, seed=0)
         rows[name] = {"train": round(tr, 3), "held_out": round(te, 3)}
         print(name, rows[name], flush=True)
     print(json.dumps(rows))

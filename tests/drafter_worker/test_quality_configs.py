@@ -21,6 +21,8 @@ def test_recipe_configs_validate(name):
     assert cfg.drafter.max_steps == 0 and cfg.data.num_epochs > 0  # the schedule spans the plan
     assert cfg.target.feature_cache_gb > 0
     assert cfg.data.heldout_fraction > 0  # the evaluation's prompts are never trained on
+    if cfg.drafter.distill_weight > 0:  # the soft-target loss reads SmolLM2's last layer (29 of 30)
+        assert cfg.target.target_layer_ids and cfg.target.target_layer_ids[-1] == 29
 
 
 def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():

@@ -42,10 +42,12 @@ def batch(vocab: int, b: int = 2, t: int = 20, seed: int = 1):
 # ---------------------------------------------------------------------------
 
 
-def test_nonfinite_step_changes_nothing_and_is_counted_without_a_host_read():
+@pytest.mark.parametrize("distill_weight", [0.0, 1.0], ids=["hard-labels", "distilled"])
+def test_nonfinite_step_changes_nothing_and_is_counted_without_a_host_read(distill_weight):
     vocab = 64
     model = drafter(vocab)
-    trainer = trainer_for(model)
+    trainer = trainer_for(model, distill_weight=distill_weight)
+    trainer.teacher_norm = (torch.ones(HIDDEN), 1e-6)  # the last HIDDEN feature columns play the target's last layer
     good = batch(vocab)
     trainer.train_step(*good)  # optimizer state exists from here on
     weights = {k: v.clone() for k, v in model.state_dict().items()}
