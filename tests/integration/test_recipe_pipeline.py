@@ -16,18 +16,24 @@ from tests.fixtures import write_config
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, tiny_llama_dir):
-    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"steps_per_batch": 3, "draft_vocab_size": 512}},
-                          sections={"target": ["feature_cache_gb = 1.0"], "data": ["num_epochs = 2"]})
+def run_plan(tmp_path: Path, config: Path) -> tuple[Path, Job]:
+    """Sidecar, target and drafter d0 on 24 samples until d0 ends its plan; every process exits 0."""
     config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 24"))
     run_dir = tmp_path / "runs" / "it"
     with Job(config, run_dir) as job:
         job.start_metrics()
         job.start_target()
         job.start_drafter("d0")
-        assert job.procs["d0"].wait(180) == 0, job.all_consoles()  # DONE after the plan's two epochs
+        assert job.procs["d0"].wait(180) == 0, job.all_consoles()
         codes = {name: job.terminate(name, timeout_s=40) for name in ("target", "metrics")}
         assert codes == {"target": 0, "metrics": 0}, job.all_consoles()
+    return run_dir, job
+
+
+def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, tiny_llama_dir):
+    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"steps_per_batch": 3, "draft_vocab_size": 512}},
+                          sections={"target": ["feature_cache_gb = 1.0"], "data": ["num_epochs = 2"]})
+    run_dir, job = run_plan(tmp_path, config)  # d0 is DONE after the plan's two epochs
     log = (run_dir / "logs" / "target.log").read_text()
     assert "plan:" in log
     target = [r["values"] for r in job.metrics() if r["source"] == "target"]
@@ -90,15 +96,7 @@ def test_a_drafter_distils_the_targets_distribution_from_its_captured_last_layer
     config = write_config(tmp_path, str(tiny_llama_dir),
                           drafters={"d0": {"distill_weight": 0.5, "num_key_value_heads": 4}},
                           sections={"target": ["target_layer_ids = [1, 3, 5]"], "data": ["num_epochs = 1"]})
-    config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 24"))
-    run_dir = tmp_path / "runs" / "it"
-    with Job(config, run_dir) as job:
-        job.start_metrics()
-        job.start_target()
-        job.start_drafter("d0")
-        assert job.procs["d0"].wait(180) == 0, job.all_consoles()
-        codes = {name: job.terminate(name, timeout_s=40) for name in ("target", "metrics")}
-        assert codes == {"target": 0, "metrics": 0}, job.all_consoles()
+    run_dir, job = run_plan(tmp_path, config)
     report = verify_lineage(run_dir, "d0")
     assert report.ok, report.problems
     losses = [r["values"]["loss"] for r in job.metrics() if r["source"] == "drafter/d0" and "loss" in r["values"]]
