@@ -429,7 +429,10 @@ class DFlashProposer:
         positions = torch.arange(start - ctx_new, start + self.block_size, device=device)[None]
         hidden = self.drafter(features.to(device=device, dtype=dtype), noise, positions, None, context_cache=self.cache)
         head = self._draft_head
-        logits = F.linear(hidden[0, 1 : 1 + num_draft].to(device=head.device, dtype=head.dtype), head)
+        drafts = hidden[0, 1 : 1 + num_draft].to(device=head.device, dtype=head.dtype)
+        # head @ drafts^T rather than F.linear: for the few rows of a block, the CPU
+        # GEMM F.linear picks runs 2-4x slower (3 x 8192 rows: 2.6 vs 0.7 ms).
+        logits = torch.mm(head, drafts.t()).t()
         if self._draft_vocab is None:
             return logits
         # A draft vocabulary: scores for its ids, -inf for every other target token.

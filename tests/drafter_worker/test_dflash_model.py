@@ -620,3 +620,22 @@ def test_context_cache_matches_full_context():
         torch.testing.assert_close(again, short, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="layers"):
         model(features, noise, torch.arange(11 + BLOCK)[None], context_cache=DraftContextCache(5))
+
+
+def test_context_cache_keeps_its_context_when_it_grows():
+    # The cache's buffers double when a pass does not fit: what was cached before
+    # must survive the move, and the block slots written past the context must not
+    # leak into the next pass.
+    from drafter_worker.model.dflash_model import DraftContextCache
+
+    model = tiny_drafter().eval()
+    gen = torch.Generator().manual_seed(6)
+    features = torch.randn(1, 150, K_LAYERS * HIDDEN, generator=gen)
+    noise = torch.randn(1, BLOCK, HIDDEN, generator=gen)
+    cache = DraftContextCache(len(model.layers))
+    with torch.no_grad():
+        for lo, hi in [(0, 50), (50, 61), (61, 120), (120, 121), (121, 150)]:
+            chunked = model(features[:, lo:hi], noise, torch.arange(lo, hi + BLOCK)[None], context_cache=cache)
+            full = model(features[:, :hi], noise, torch.arange(hi + BLOCK)[None])
+            torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+        assert len(cache) == 150
