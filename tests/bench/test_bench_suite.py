@@ -98,3 +98,25 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert report["tiny"]["throughput"]["capture_tokens_per_s"] > 0
     overlap = report["tiny"]["overlap"]
     assert overlap["ok"] and overlap["drafter"]["host_reads"] == 0, overlap
+
+
+def test_spec_cost_bench_times_the_three_parts_of_a_step(tmp_path, tiny_llama_dir, capsys):
+    # Runs the bench end to end on the tiny target: the drafter's cache is rolled back
+    # between rounds (a length mismatch would raise), and the break-even tau is the
+    # ratio of the printed timings.
+    import spec_cost_bench
+
+    from drafter_worker.model.dflash_model import save_drafter
+    from tests.fixtures import tiny_drafter
+
+    # The tiny target's shape: hidden 64, 4 heads, vocabulary 49152.
+    save_drafter(tmp_path / "drafter", tiny_drafter(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                    intermediate_size=128, vocab_size=49152, mask_token_id=49151,
+                                                    max_position_embeddings=1024, draft_vocab_size=512))
+    assert spec_cost_bench.main(["--drafter", str(tmp_path / "drafter"), "--model", str(tiny_llama_dir),
+                                 "--context", "40", "--rounds", "3", "--threads", "1", "--tau", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["draft_tokens"] == result["block_size"] - 1
+    assert result["break_even_tau"] == pytest.approx((result["verify_ms"] + result["draft_ms"]) / result["plain_ms"],
+                                                     rel=0.01)
+    assert result["speedup_at_tau"] == pytest.approx(2 / result["break_even_tau"], rel=0.01)

@@ -1,0 +1,107 @@
+"""What one speculative step costs against one plain decoding step, on this machine.
+
+    .venv/bin/python bench/spec_cost_bench.py --drafter runs/quality/export/q0 [--context 300] [--rounds 30]
+
+Three timings with a ``--context``-token KV cache, interleaved round by round
+(median of ``--rounds``): a plain greedy step (the target over one token), a
+verification (the target over the anchor and ``--draft-tokens`` drafts, with
+the hidden states the drafter needs) and a drafting pass of the drafter (two
+new context positions, the cached rest). The speculative step costs
+``verify + draft``, so a drafter pays for itself from
+``tau = (verify + draft) / plain`` on: printed as the break-even tau, with the
+speed-up the measured ``--tau`` would give. Weights do not change the timings:
+any drafter of the right shape will do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from drafter_worker.model.dflash_model import load_drafter  # noqa: E402
+from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+from tools.speculative import DFlashProposer, _new_cache, _target_forward, crop_cache, target_features  # noqa: E402
+
+
+def _timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return (time.perf_counter() - began) * 1000.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", type=Path, required=True, help="an exported drafter or checkpoint directory")
+    p.add_argument("--model", default="smollm2", help="the target (target.model syntax)")
+    p.add_argument("--context", type=int, default=300, help="tokens already in the caches")
+    p.add_argument("--draft-tokens", type=int, default=0, help="drafts verified a step (0: the whole block)")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tau", type=float, default=0.0, help="also print the speed-up at this tau")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_target(args.model)
+    target = loaded.model
+    drafter = load_drafter(args.drafter)
+    embed, head, _ = embedding_weights(target)
+    proposer = DFlashProposer(drafter, embed, head)
+    drafts = args.draft_tokens or proposer.block_size - 1
+    layer_ids = proposer.layer_ids
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(100, loaded.vocab_size - 100, (args.context,), generator=gen).tolist()
+
+    with torch.inference_mode():
+        cache = _new_cache(target)
+        out = _target_forward(target, context, 0, cache, hidden=True, last_only=True)
+        proposer.reset()
+        proposer.propose(target_features(out.hidden_states, layer_ids)[:, :-2], context[-2], args.context - 2, drafts)
+        fresh = target_features(out.hidden_states, layer_ids)[:, -2:]
+        n = args.context
+
+        def plain() -> None:
+            _target_forward(target, [context[-1]], n, cache, hidden=False, last_only=True)
+            crop_cache(cache, n)
+
+        def verify() -> None:
+            _target_forward(target, context[-1 - drafts:], n, cache, hidden=True, last_only=False)
+            crop_cache(cache, n)
+
+        def draft() -> None:
+            proposer.propose(fresh, context[-1], n, drafts)
+            proposer.cache.crop(n - 2)
+
+        times: dict[str, list[float]] = {"plain": [], "verify": [], "draft": []}
+        for fn in (plain, verify, draft):  # warm-up
+            fn()
+        for _ in range(args.rounds):
+            for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
+                times[name].append(_timed(fn))
+    ms = {name: statistics.median(values) for name, values in times.items()}
+    break_even = (ms["verify"] + ms["draft"]) / ms["plain"]
+    print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified), "
+          f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
+    print(f"  plain step   {ms['plain']:7.1f} ms")
+    print(f"  verification {ms['verify']:7.1f} ms  ({ms['verify'] / ms['plain']:.2f}x a plain step)")
+    print(f"  drafting     {ms['draft']:7.1f} ms  ({ms['draft'] / ms['plain']:.2f}x a plain step)")
+    print(f"  break-even tau {break_even:.2f}")
+    result = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
+              "threads": args.threads, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+              "break_even_tau": round(break_even, 3)}
+    if args.tau:
+        result["speedup_at_tau"] = round(args.tau / break_even, 3)
+        print(f"  speed-up at tau {args.tau:.2f}: {args.tau / break_even:.2f}x")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
