@@ -111,48 +111,11 @@ def pipeline_aggregates(
     only when a target and a drafter (or a rank of one) reported tokens/s in it
     (None: whenever both sides are live).
     """
-    live: dict[str, SourceState] = {}
-    stale: list[str] = []
-    targets: dict[str, SourceState] = {}
-    stale_targets: list[str] = []
-    for source, state in states.items():
-        fresh = now - state.last_seen <= stale_after_s
-        if is_target(source):
-            if fresh:
-                targets[source] = state
-            else:
-                stale_targets.append(source)
-            continue
-        if not source.startswith(DRAFTER_SOURCE.prefix):
-            continue
-        if not fresh:
-            stale.append(drafter_id(source))
-        else:
-            live[source] = state
+    live, stale, targets, stale_targets = _partition(states, now, stale_after_s)
     values: dict[str, Number] = {Pipeline.NUM_DRAFTERS: len(live)}
-    slowest = None
-    if live:
-        steps = {source: state.step for source, state in live.items()}
-        slowest_source = min(sorted(steps, key=_natural_key), key=lambda s: steps[s])
-        slowest = drafter_id(slowest_source)
-        values[Pipeline.STEP_SKEW] = max(steps.values()) - min(steps.values())
-        values[Pipeline.SLOWEST_DRAFTER_STEP] = steps[slowest_source]
-        losses = [s.values[Drafter.LOSS] for s in live.values() if Drafter.LOSS in s.values]
-        if losses:
-            values[Pipeline.LOSS_MEAN] = sum(losses) / len(losses)
-            values[Pipeline.LOSS_MIN] = min(losses)
-            values[Pipeline.LOSS_MAX] = max(losses)
-        rates = [s.values[Drafter.TOKENS_PER_S] for s in live.values() if Drafter.TOKENS_PER_S in s.values]
-        if rates:
-            values[Pipeline.DRAFTER_TOKENS_PER_S] = sum(rates)
+    slowest = _drafter_values(live, values)
     values[Pipeline.NUM_TARGETS] = len(targets)
-    for key, name in ((Target.TOKENS_PER_S, Pipeline.TARGET_TOKENS_PER_S),
-                      (Target.BATCHES_PER_S, Pipeline.TARGET_BATCHES_PER_S),
-                      (Target.QUEUE_DEPTH, Pipeline.TARGET_QUEUE_DEPTH),
-                      (Target.SEND_GBPS, Pipeline.TARGET_SEND_GBPS)):
-        have = [s.values[key] for s in targets.values() if key in s.values]
-        if have:
-            values[name] = sum(have)
+    _target_values(targets, values)
     supply, demand = values.get(Pipeline.TARGET_TOKENS_PER_S), values.get(Pipeline.DRAFTER_TOKENS_PER_S)
     if supply is not None and demand is not None and demand > 0:
         both = reported is None or (
@@ -169,6 +132,59 @@ def pipeline_aggregates(
         stale_targets=tuple(sorted(stale_targets, key=_natural_key)),
         ranks={drafter: len(r) for drafter, r in ranks.items()},
     )
+
+
+def _partition(
+    states: dict[str, SourceState], now: float, stale_after_s: float
+) -> tuple[dict[str, SourceState], list[str], dict[str, SourceState], list[str]]:
+    """(live drafters, stale drafter ids, live targets, stale target sources); other sources are left out."""
+    live: dict[str, SourceState] = {}
+    stale: list[str] = []
+    targets: dict[str, SourceState] = {}
+    stale_targets: list[str] = []
+    for source, state in states.items():
+        fresh = now - state.last_seen <= stale_after_s
+        if is_target(source):
+            if fresh:
+                targets[source] = state
+            else:
+                stale_targets.append(source)
+        elif source.startswith(DRAFTER_SOURCE.prefix):
+            if fresh:
+                live[source] = state
+            else:
+                stale.append(drafter_id(source))
+    return live, stale, targets, stale_targets
+
+
+def _drafter_values(live: dict[str, SourceState], values: dict[str, Number]) -> str | None:
+    """Step skew, loss spread and total tokens/s of the live drafters into ``values``; returns the slowest's id."""
+    if not live:
+        return None
+    steps = {source: state.step for source, state in live.items()}
+    slowest_source = min(sorted(steps, key=_natural_key), key=lambda s: steps[s])
+    values[Pipeline.STEP_SKEW] = max(steps.values()) - min(steps.values())
+    values[Pipeline.SLOWEST_DRAFTER_STEP] = steps[slowest_source]
+    losses = [s.values[Drafter.LOSS] for s in live.values() if Drafter.LOSS in s.values]
+    if losses:
+        values[Pipeline.LOSS_MEAN] = sum(losses) / len(losses)
+        values[Pipeline.LOSS_MIN] = min(losses)
+        values[Pipeline.LOSS_MAX] = max(losses)
+    rates = [s.values[Drafter.TOKENS_PER_S] for s in live.values() if Drafter.TOKENS_PER_S in s.values]
+    if rates:
+        values[Pipeline.DRAFTER_TOKENS_PER_S] = sum(rates)
+    return drafter_id(slowest_source)
+
+
+def _target_values(targets: dict[str, SourceState], values: dict[str, Number]) -> None:
+    """The live targets' rates and queue depths, summed over replicas, into ``values``."""
+    for key, name in ((Target.TOKENS_PER_S, Pipeline.TARGET_TOKENS_PER_S),
+                      (Target.BATCHES_PER_S, Pipeline.TARGET_BATCHES_PER_S),
+                      (Target.QUEUE_DEPTH, Pipeline.TARGET_QUEUE_DEPTH),
+                      (Target.SEND_GBPS, Pipeline.TARGET_SEND_GBPS)):
+        have = [s.values[key] for s in targets.values() if key in s.values]
+        if have:
+            values[name] = sum(have)
 
 
 def _ranks_cell(drafter: str, pipeline: PipelineView) -> str:
