@@ -256,7 +256,6 @@ class TargetServer:
     # ---------------------------------------------------------------- capture thread
     def _capture_loop(self) -> None:
         use_device(self.device)  # a new thread starts on GPU 0
-        pad_id = self.loaded.pad_token_id
         # The capture runs on a stream of its own, so the links' sends (each on its own
         # stream, ordered after a batch by its ready_event) overlap the next forward.
         stream = SideStream(self.device)
@@ -271,50 +270,57 @@ class TargetServer:
                 for event in self.scheduler.reader_events(buf):
                     stream.wait(event)  # device-side: the previous batch's sends have read buf
                 try:
-                    planned = self.plan.batch(index)
-                    layout = self.layouts[planned.bucket]
-                    self.plane.begin_write(planned.bucket, buf)
-                    features, ids, mask, lengths = layout.views(buf)
-                    samples = [self.dataset.train[i] for i in planned.sample_ids]
-                    input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
-                    if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
-                        input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
-                    real = sum(min(len(s), layout.seq_len) for s in samples)
-                    cached = self.feature_cache.covers(planned.sample_ids)
-                    start = time.perf_counter()
-                    with stream.active():
-                        ids.copy_(input_ids, non_blocking=True)
-                        mask.copy_(loss_mask, non_blocking=True)
-                        lengths.copy_(lens, non_blocking=True)
-                        if cached:
-                            self.feature_cache.fill(planned.sample_ids, features)
-                        else:
-                            self.capture.run(ids.long(), features)
-                            self.feature_cache.store(planned.sample_ids, [min(len(s), layout.seq_len) for s in samples],
-                                                     features)
-                    ready_event = stream.record()
-                    elapsed = time.perf_counter() - start
-                    pool_slot, shm_tag = self.plane.publish(planned.bucket, buf)
+                    ready, cached, elapsed = self._capture_batch(stream, index, buf)
                 except Exception:
                     self.scheduler.abandon(index, buf)
                     raise
-                self.scheduler.publish(
-                    ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
-                               ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
-                )
-                with self._stats_lock:
-                    self._captured_batches += 1
-                    self._captured_tokens += real
-                    self._padded_tokens += layout.batch_size * layout.seq_len
-                    if cached:
-                        self._cached_batches += 1
-                    else:
-                        self._forward_s += elapsed
-                        self._forward_batches += 1
+                self.scheduler.publish(ready)
+                self._count_captured(ready, cached, elapsed)
         except BaseException as exc:  # surfaced by the control loop, which exits non-zero
             self._capture_error = exc
             logger.exception("capture thread failed")
             self._stop.set()
+
+    def _capture_batch(self, stream: SideStream, index: int, buf: torch.Tensor) -> tuple[ReadyBatch, bool, float]:
+        """Fill ``buf`` with plan batch ``index`` (from the feature cache or a forward pass) and
+        publish it to the data plane; returns the batch, whether it was cached, and the seconds taken."""
+        planned = self.plan.batch(index)
+        layout = self.layouts[planned.bucket]
+        self.plane.begin_write(planned.bucket, buf)
+        features, ids, mask, lengths = layout.views(buf)
+        samples = [self.dataset.train[i] for i in planned.sample_ids]
+        input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, self.loaded.pad_token_id)
+        if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
+            input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
+        real = sum(min(len(s), layout.seq_len) for s in samples)
+        cached = self.feature_cache.covers(planned.sample_ids)
+        start = time.perf_counter()
+        with stream.active():
+            ids.copy_(input_ids, non_blocking=True)
+            mask.copy_(loss_mask, non_blocking=True)
+            lengths.copy_(lens, non_blocking=True)
+            if cached:
+                self.feature_cache.fill(planned.sample_ids, features)
+            else:
+                self.capture.run(ids.long(), features)
+                self.feature_cache.store(planned.sample_ids, [min(len(s), layout.seq_len) for s in samples], features)
+        ready_event = stream.record()
+        elapsed = time.perf_counter() - start
+        pool_slot, shm_tag = self.plane.publish(planned.bucket, buf)
+        ready = ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
+                           ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
+        return ready, cached, elapsed
+
+    def _count_captured(self, ready: ReadyBatch, cached: bool, elapsed: float) -> None:
+        with self._stats_lock:
+            self._captured_batches += 1
+            self._captured_tokens += ready.num_tokens
+            self._padded_tokens += ready.layout.batch_size * ready.layout.seq_len
+            if cached:
+                self._cached_batches += 1
+            else:
+                self._forward_s += elapsed
+                self._forward_batches += 1
 
     # ---------------------------------------------------------------- control loop
     @property
