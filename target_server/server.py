@@ -256,6 +256,7 @@ class TargetServer:
     # ---------------------------------------------------------------- capture thread
     def _capture_loop(self) -> None:
         use_device(self.device)  # a new thread starts on GPU 0
+        pad_id = self.loaded.pad_token_id
         # The capture runs on a stream of its own, so the links' sends (each on its own
         # stream, ordered after a batch by its ready_event) overlap the next forward.
         stream = SideStream(self.device)
@@ -270,7 +271,7 @@ class TargetServer:
                 for event in self.scheduler.reader_events(buf):
                     stream.wait(event)  # device-side: the previous batch's sends have read buf
                 try:
-                    ready, cached, elapsed = self._capture_batch(stream, index, buf)
+                    ready, cached, elapsed = self._capture_batch(stream, index, buf, pad_id)
                 except Exception:
                     self.scheduler.abandon(index, buf)
                     raise
@@ -281,7 +282,8 @@ class TargetServer:
             logger.exception("capture thread failed")
             self._stop.set()
 
-    def _capture_batch(self, stream: SideStream, index: int, buf: torch.Tensor) -> tuple[ReadyBatch, bool, float]:
+    def _capture_batch(self, stream: SideStream, index: int, buf: torch.Tensor,
+                       pad_id: int) -> tuple[ReadyBatch, bool, float]:
         """Fill ``buf`` with plan batch ``index`` (from the feature cache or a forward pass) and
         publish it to the data plane; returns the batch, whether it was cached, and the seconds taken."""
         planned = self.plan.batch(index)
@@ -289,7 +291,7 @@ class TargetServer:
         self.plane.begin_write(planned.bucket, buf)
         features, ids, mask, lengths = layout.views(buf)
         samples = [self.dataset.train[i] for i in planned.sample_ids]
-        input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, self.loaded.pad_token_id)
+        input_ids, loss_mask, lens = pack_batch(samples, layout.batch_size, layout.seq_len, pad_id)
         if self.device.type == "cuda":  # pinned sources make the uploads asynchronous
             input_ids, loss_mask, lens = input_ids.pin_memory(), loss_mask.pin_memory(), lens.pin_memory()
         real = sum(min(len(s), layout.seq_len) for s in samples)
