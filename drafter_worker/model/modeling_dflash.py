@@ -316,21 +316,10 @@ class DFlashAttention(nn.Module):
             window = sliding_window_mask(position_ids, q_len, kv_len, self.sliding_window)
             attention_mask = _restrict(attention_mask, window)
 
-        # Expand KV heads explicitly instead of SDPA's enable_gqa: with an
-        # arbitrary boolean mask, enable_gqa rules out the memory-efficient
-        # CUDA kernel and falls back to the math path, which materialises the
-        # whole attention matrix.
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k[:, :, None].expand(bsz, self.num_kv_heads, groups, kv_len, self.head_dim)
-            k = k.reshape(bsz, self.num_heads, kv_len, self.head_dim)
-            v = v[:, :, None].expand(bsz, self.num_kv_heads, groups, kv_len, self.head_dim)
-            v = v.reshape(bsz, self.num_heads, kv_len, self.head_dim)
-
         out = F.scaled_dot_product_attention(
             q,
-            k,
-            v,
+            self._repeat_kv(k),
+            self._repeat_kv(v),
             attn_mask=attention_mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=False,
@@ -338,6 +327,19 @@ class DFlashAttention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
         return self.o_proj(out)
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, kv_heads, K, D]`` -> ``[B, heads, K, D]``, each key/value head repeated for its query group.
+
+        Expanded explicitly instead of SDPA's enable_gqa: with an arbitrary boolean
+        mask, enable_gqa rules out the memory-efficient CUDA kernel and falls back to
+        the math path, which materialises the whole attention matrix."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups == 1:
+            return t
+        bsz, _, kv_len, head_dim = t.shape
+        t = t[:, :, None].expand(bsz, self.num_kv_heads, groups, kv_len, head_dim)
+        return t.reshape(bsz, self.num_heads, kv_len, head_dim)
 
 
 class DFlashMLP(nn.Module):
