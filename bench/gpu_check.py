@@ -294,12 +294,23 @@ def throughput(bench: Bench, steps: int) -> dict[str, Any]:
                            "target_layers": bench.target.num_layers, "hidden": bench.target.hidden,
                            "vocab": bench.target.vocab}
     out["capture_tokens_per_s"] = tokens / bench.timed(bench.capture_step, steps)
-    for weight_dtype in (torch.float32, bench.dtype) if bench.dtype != torch.float32 else (torch.float32,):
+    # (name, weight dtype, torch.set_float32_matmul_precision): float32 as the worker runs it by default
+    # ("highest"), with TF32 as the GPU configs set it (drafter.matmul_precision = "high"), and bf16 weights.
+    variants = [("float32", torch.float32, "highest")]
+    if bench.device.type == "cuda":
+        variants.append(("float32_tf32", torch.float32, "high"))
+    if bench.dtype != torch.float32:
+        variants.append((str(bench.dtype).replace("torch.", ""), bench.dtype, "highest"))
+    previous = torch.get_float32_matmul_precision()
+    for name, weight_dtype, precision in variants:
+        torch.set_float32_matmul_precision(precision)
         trainer = bench.drafter(weight_dtype)
-        name = str(weight_dtype).replace("torch.", "")
         if bench.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(bench.device)
-        out[f"train_tokens_per_s_{name}_weights"] = tokens / bench.timed(lambda: bench.train_step(trainer), steps)
+        try:
+            out[f"train_tokens_per_s_{name}_weights"] = tokens / bench.timed(lambda t=trainer: bench.train_step(t), steps)
+        finally:
+            torch.set_float32_matmul_precision(previous)
         if bench.device.type == "cuda":
             out[f"train_peak_gib_{name}_weights"] = torch.cuda.max_memory_allocated(bench.device) / 2**30
         out["drafter_params_m"] = sum(p.numel() for p in trainer.model.parameters()) / 1e6

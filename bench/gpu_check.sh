@@ -11,8 +11,8 @@
 #                    torch.cuda.set_sync_debug_mode("error"); then the overlap check: capture
 #                    || copy-out and receive || train on the pipeline's side streams
 #                    against one stream, ordered by events only     (bench/gpu_check.py)
-#   3. fused-kernel  the Triton LM-head loss against the reference:
-#                    pytest -m gpu tests/common/test_fused_lm_loss.py
+#   3. fused-kernel  the GPU tests (pytest -m gpu): the Triton LM-head loss against the
+#                    reference, side streams, the CUDA sync guard, device selection
 #   4. fused-bench   python bench/fused_loss_bench.py --device cuda (peak memory and time)
 #   5. throughput    capture and train-step tokens/s in bf16 on SmolLM2 (if its package is
 #                    installed) and on a random Llama-8B-shaped few-layer model (bench/gpu_check.py)
@@ -49,7 +49,7 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 
 run sync 150 "$PY" bench/gpu_check.py --device cuda --sections sync,overlap --targets smollm2,llama8b --steps 4 --out "$OUT/sync"
-run fused-kernel 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/common/test_fused_lm_loss.py
+run fused-kernel 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/drafter_worker/test_lm_loss.py tests/common/test_streams.py tests/common/test_sync_guard.py tests/common/test_devices.py
 run fused-bench 75 "$PY" bench/fused_loss_bench.py --device cuda --out "$OUT/fused_loss.json"
 run throughput 135 "$PY" bench/gpu_check.py --device cuda --sections throughput --targets smollm2,llama8b --out "$OUT/throughput"
 

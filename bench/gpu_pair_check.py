@@ -92,6 +92,13 @@ def cmd_versions(args) -> int:
 def cmd_transfer(args) -> int:
     device = torch.device(args.target_device)
     configure_nccl_error_handling(args.timeout_s)
+    child_env = None
+    if args.host_id_split:
+        # Each rank claims its own host: NCCL's duplicate-GPU check compares (host, bus id) and
+        # the pair talks over its socket transport on loopback, so one GPU can hold both ranks.
+        net = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+        os.environ.update(net, NCCL_HOSTID="dflash-check-target")
+        child_env = {**os.environ, **net, "NCCL_HOSTID": "dflash-check-drafter"}
     port = free_port()
     store = host_store("127.0.0.1", port, args.timeout_s)
     child = subprocess.Popen([
@@ -99,7 +106,7 @@ def cmd_transfer(args) -> int:
         "--device", args.drafter_device, "--timeout-s", str(args.timeout_s), "--batches", str(args.batches),
         "--weights-mib", str(args.weights_mib), "--min-mib", str(args.min_mib), "--max-mib", str(args.max_mib),
         *(["--stall"] if args.stall else []),
-    ])
+    ], env=child_env)
     try:
         return _target(args, device, port, child)
     finally:
@@ -304,6 +311,9 @@ def main() -> int:
         if name == "transfer":
             p.add_argument("--target-device", default="cuda:0")
             p.add_argument("--drafter-device", default="cuda:0")
+            p.add_argument("--host-id-split", action="store_true",
+                           help="give each rank its own NCCL_HOSTID (socket transport on loopback): "
+                                "both ranks on one GPU")
         else:
             p.add_argument("--port", type=int, required=True)
             p.add_argument("--device", default="cuda:0")

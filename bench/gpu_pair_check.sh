@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Data-plane pair checks on one GPU machine (sized for one H200: under 8 minutes in all).
 #
-#   *** NEVER RUN ON A GPU YET ***  Written on a CPU-only machine; only its gloo/CPU
-#   sections were tried there (with small sizes). Read its log critically the first time.
+#   First run on one H200 on 2026-12-04 (torch 2.11 + CUDA 13.0, NCCL 2.28.9): versions,
+#   nccl-transfer (refusal), nccl-transfer-hostid and nccl-lonely-0 passed; figures in
+#   docs/benchmarks.md. Not yet run on a machine of two GPUs.
 #
 #   bench/gpu_pair_check.sh              # from the repository root or anywhere
 #   OUT=/some/dir bench/gpu_pair_check.sh
@@ -17,7 +18,9 @@
 #                      GPU both use cuda:0: NCCL refuses that ("Duplicate GPU detected"), which
 #                      the section records as SKIP provided the refusal arrives as a clean
 #                      failure (no hang, no killed process); the target refuses such a drafter
-#                      at HELLO anyway (transport.same_gpu_refusal).
+#                      at HELLO anyway (transport.same_gpu_refusal). On one GPU the transfer then
+#                      runs again with --host-id-split (nccl-transfer-hostid): each rank sets its
+#                      own NCCL_HOSTID, so NCCL pairs them over its socket transport on loopback.
 #   3. gloo-transfer   16 batches over gloo with CPU tensors (the path the CPU tests cover)
 #   4. nccl-lonely-0   a target whose drafter never joins: TransportError within the timeout,
 #                      then the process must stay alive (no watchdog / heartbeat-monitor kill)
@@ -55,6 +58,11 @@ nvidia-smi -L || true
 run versions 60 "$PY" bench/gpu_pair_check.py versions
 run nccl-transfer 150 "$PY" bench/gpu_pair_check.py transfer --kind nccl --target-device cuda:0 \
     --drafter-device "$DRAFTER_DEV" --timeout-s 20 --stall
+if ((NGPU < 2)); then
+    # The same transfer with both ranks on the one GPU, each claiming its own NCCL host (socket transport).
+    run nccl-transfer-hostid 150 "$PY" bench/gpu_pair_check.py transfer --kind nccl --target-device cuda:0 \
+        --drafter-device cuda:0 --timeout-s 20 --stall --host-id-split
+fi
 run gloo-transfer 120 "$PY" bench/gpu_pair_check.py transfer --kind gloo --target-device cpu --batches 16 \
     --drafter-device cpu --timeout-s 30
 run nccl-lonely-0 60 "$PY" bench/gpu_pair_check.py lonely --kind nccl --rank 0 --device cuda:0 --timeout-s 10

@@ -224,7 +224,7 @@ class DrafterConfig:
     init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
     distill_weight: float = _doc("weight of the soft-target loss against the target's own next-token distribution (knowledge distillation; 0 = hard labels only): loss = (1 - w) * hard + w * soft. Needs the target to capture its last layer (target.target_layer_ids ending with it)", 0.0)
-    loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
+    loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA for up to 2,048 scored rows a call, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
     learning_rate: float = _doc("peak AdamW learning rate", 6e-4)
     min_lr_ratio: float = _doc("cosine decays to learning_rate * min_lr_ratio", 0.1)
     weight_decay: float = _doc("AdamW weight decay (matrices only; the published DFlash recipe uses none)", 0.0)

@@ -25,7 +25,7 @@ from common.metric_names import Drafter
 from common.progress import Progress
 from drafter_worker.model.device_metrics import DeviceAccumulators
 from drafter_worker.model.dflash_model import DFlashDrafter, dflash_block_loss
-from drafter_worker.model.lm_loss import resolve_mode
+from drafter_worker.model.lm_loss import TRITON_MAX_ROWS, resolve_mode
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,10 @@ class DrafterTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
         bs = model.block_size
-        logger.info("[model] LM-head loss: %s (drafter.loss_impl = %s)", resolve_mode(device, cfg.loss_impl), cfg.loss_impl)
+        chosen = resolve_mode(device, cfg.loss_impl)
+        if cfg.loss_impl == "auto" and chosen == "triton":
+            chosen = f"triton up to {TRITON_MAX_ROWS} scored rows a call, chunked above"
+        logger.info("[model] LM-head loss: %s (drafter.loss_impl = %s)", chosen, cfg.loss_impl)
         # Consecutive non-finite steps so far (device scalar; never read in the step).
         self.nonfinite_streak = torch.zeros((), device=device)
         self.metrics = DeviceAccumulators(device, {

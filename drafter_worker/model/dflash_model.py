@@ -577,9 +577,9 @@ class BlockLossOutput:
 
 def _slot_weights(block_size: int, loss_gamma: float, device: torch.device) -> torch.Tensor:
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1.0) / loss_gamma)
-    w[0] = 0.0  # slot 0 holds the given anchor token: nothing to learn
-    return w
+    # Slot 0 holds the given anchor token: nothing to learn. masked_fill, not ``w[0] = 0.0``: on CUDA
+    # that assignment copies a host scalar into device memory, a synchronizing copy on every step.
+    return torch.exp(-(k - 1.0) / loss_gamma).masked_fill(k == 0, 0.0)
 
 
 def dflash_block_loss(

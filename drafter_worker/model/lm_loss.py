@@ -32,7 +32,8 @@ Implementations (all without device-to-host syncs):
   for tests).
 * :func:`fused_lm_head_loss` - dispatch by ``drafter.loss_impl``: ``triton``,
   ``chunked``, ``torch`` (the plain reference) or ``auto`` (default: Triton for
-  CUDA tensors when Triton imports, else chunked).
+  CUDA tensors of at most ``TRITON_MAX_ROWS`` rows when Triton imports, else
+  chunked; the row limit is where the two crossed on an H200).
 
 Semantics shared with the reference: logits are computed in the LM head's dtype
 (``hidden`` is cast to it) and then read as fp32, so a bf16 head is never
@@ -66,6 +67,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "MODES",
+    "TRITON_MAX_ROWS",
     "chunked_lm_head_loss",
     "fused_lm_head_loss",
     "lm_head_loss",
@@ -548,12 +550,25 @@ def triton_lm_head_loss(
 # ---------------------------------------------------------------------------
 
 
-def resolve_mode(device: torch.device, mode: str = "auto") -> str:
-    """``triton``, ``chunked`` or ``torch`` for tensors on ``device`` (``auto``: Triton on CUDA when it imports)."""
+# ``auto`` takes the Triton kernel only up to this many scored rows. Measured on an H200 in bf16
+# (bench/fused_loss_bench.py, fwd+bwd, frozen head; docs/benchmarks.md): the kernel wins where the
+# chunked path is launch-bound (N=960, H=4096, V=128256: 10.0 vs 16.6 ms; N=1920, H=576, V=49152:
+# 3.5 vs 6.2 ms) and loses once cuBLAS has rows to fill (N=3840, H=4096, V=128256: 36.4 vs 22.9 ms;
+# N=3840, H=4096, V=32000: 9.3 vs 6.3 ms; N=7680, H=576, V=49152: 9.0 vs 7.5 ms).
+TRITON_MAX_ROWS = 2048
+
+
+def resolve_mode(device: torch.device, mode: str = "auto", rows: int | None = None) -> str:
+    """``triton``, ``chunked`` or ``torch`` for ``rows`` scored positions on ``device``.
+
+    ``auto``: Triton on CUDA when it imports and ``rows`` (unknown: assumed few) is at most
+    :data:`TRITON_MAX_ROWS`, else chunked. ``rows`` is a host-side shape, never a tensor value.
+    """
     if mode not in MODES:
         raise ValueError(f"drafter.loss_impl must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "auto":
-        return "triton" if triton is not None and device.type == "cuda" else "chunked"
+        few_rows = rows is None or rows <= TRITON_MAX_ROWS
+        return "triton" if triton is not None and device.type == "cuda" and few_rows else "chunked"
     return mode
 
 
@@ -570,7 +585,7 @@ def fused_lm_head_loss(
 
     Same arguments and result as :func:`lm_head_loss`; all but ``torch`` never build ``[N, V]`` logits.
     """
-    chosen = resolve_mode(hidden.device, mode)
+    chosen = resolve_mode(hidden.device, mode, rows=hidden.numel() // hidden.shape[-1])
     if chosen == "triton":
         return triton_lm_head_loss(hidden, lm_head_weight, labels, weights, chunk_size=chunk_size)
     if chosen == "chunked":

@@ -303,7 +303,12 @@ def test_dispatch_modes():
     cpu = torch.device("cpu")
     assert resolve_mode(cpu) == "chunked"
     if lm_loss.triton is not None:
-        assert resolve_mode(torch.device("cuda")) == "triton"
+        cuda = torch.device("cuda")
+        assert resolve_mode(cuda) == "triton"
+        assert resolve_mode(cuda, rows=lm_loss.TRITON_MAX_ROWS) == "triton"
+        # Past the measured crossover the chunked cuBLAS path is faster: auto takes it, an explicit mode stays.
+        assert resolve_mode(cuda, rows=lm_loss.TRITON_MAX_ROWS + 1) == "chunked"
+        assert resolve_mode(cuda, "triton", rows=lm_loss.TRITON_MAX_ROWS + 1) == "triton"
     assert resolve_mode(cpu, "torch") == "torch"
     with pytest.raises(ValueError, match="drafter.loss_impl"):
         resolve_mode(cpu, "fast")
