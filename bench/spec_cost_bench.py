@@ -9,13 +9,16 @@ the hidden states the drafter needs) and a drafting pass of the drafter (two
 new context positions, the cached rest). The speculative step costs
 ``verify + draft``, so a drafter pays for itself from
 ``tau = (verify + draft) / plain`` on: printed as the break-even tau, with the
-speed-up the measured ``--tau`` would give. Weights do not change the timings:
-any drafter of the right shape will do.
+speed-up the measured ``--tau`` would give. Each is timed twice in every round:
+with the models' own linear layers and with ``tools.small_linears`` (what
+evaluation decodes with). Weights do not change the timings: any drafter of the
+right shape will do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_worker.model.dflash_model import load_drafter  # noqa: E402
 from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+from tools.small_linears import small_row_linears  # noqa: E402
 from tools.speculative import DFlashProposer, _new_cache, _target_forward, crop_cache, target_features  # noqa: E402
 
 
@@ -79,26 +83,30 @@ def main(argv: list[str] | None = None) -> int:
             proposer.propose(fresh, context[-1], n, drafts)
             proposer.cache.crop(n - 2)
 
-        times: dict[str, list[float]] = {"plain": [], "verify": [], "draft": []}
-        for fn in (plain, verify, draft):  # warm-up
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
-                times[name].append(_timed(fn))
-    ms = {name: statistics.median(values) for name, values in times.items()}
-    break_even = (ms["verify"] + ms["draft"]) / ms["plain"]
+        modes = {"own": contextlib.nullcontext, "small_rows": lambda: small_row_linears(target, drafter)}
+        times: dict[str, dict[str, list[float]]] = {mode: {"plain": [], "verify": [], "draft": []} for mode in modes}
+        for _ in range(args.rounds + 1):  # the first round warms up
+            for mode, linears in modes.items():
+                with linears():
+                    for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
+                        times[mode][name].append(_timed(fn))
     print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified), "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
-    print(f"  plain step   {ms['plain']:7.1f} ms")
-    print(f"  verification {ms['verify']:7.1f} ms  ({ms['verify'] / ms['plain']:.2f}x a plain step)")
-    print(f"  drafting     {ms['draft']:7.1f} ms  ({ms['draft'] / ms['plain']:.2f}x a plain step)")
-    print(f"  break-even tau {break_even:.2f}")
-    result = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
-              "threads": args.threads, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
-              "break_even_tau": round(break_even, 3)}
-    if args.tau:
-        result["speedup_at_tau"] = round(args.tau / break_even, 3)
-        print(f"  speed-up at tau {args.tau:.2f}: {args.tau / break_even:.2f}x")
+    result: dict = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
+                    "threads": args.threads}
+    for mode in modes:
+        ms = {name: statistics.median(values[1:]) for name, values in times[mode].items()}
+        break_even = (ms["verify"] + ms["draft"]) / ms["plain"]
+        print(f"  linear layers: {mode}")
+        print(f"    plain step   {ms['plain']:7.1f} ms")
+        print(f"    verification {ms['verify']:7.1f} ms  ({ms['verify'] / ms['plain']:.2f}x a plain step)")
+        print(f"    drafting     {ms['draft']:7.1f} ms  ({ms['draft'] / ms['plain']:.2f}x a plain step)")
+        print(f"    break-even tau {break_even:.2f}")
+        row = {**{f"{k}_ms": round(v, 2) for k, v in ms.items()}, "break_even_tau": round(break_even, 3)}
+        if args.tau:
+            row["speedup_at_tau"] = round(args.tau / break_even, 3)
+            print(f"    speed-up at tau {args.tau:.2f}: {args.tau / break_even:.2f}x")
+        result[mode] = row
     print(json.dumps(result))
     return 0
 

@@ -206,11 +206,9 @@ def evaluate(
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
 
     ``draft_tokens`` caps the drafts each step verifies (default: the whole block)."""
-    import torch
-
-    from common.progress import Progress
     from target_server.model_loader import embedding_weights
-    from tools.speculative import DFlashProposer, SpecStats, plain_generate, speculative_generate
+    from tools.small_linears import small_row_linears
+    from tools.speculative import DFlashProposer
 
     embed, head, _ = embedding_weights(target)
     num_layers = int(target.config.get_text_config().num_hidden_layers)
@@ -222,11 +220,24 @@ def evaluate(
         proposer = DFlashProposer(drafter, embed, head)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
-    device = embed.device
     if draft_tokens is None:
         draft_tokens = proposer.block_size - 1
     if not 1 <= draft_tokens <= proposer.block_size - 1:
         raise EvalError(f"--draft-tokens must be in 1..{proposer.block_size - 1} for a block of {proposer.block_size}")
+    # Both decoders run with the faster few-row linear layers on CPU (tools/small_linears.py).
+    with small_row_linears(target, drafter):
+        return _decode_all(target, proposer, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                           temperature=temperature, seed=seed, baseline=baseline, draft_tokens=draft_tokens,
+                           device=embed.device)
+
+
+def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                stop_tokens: Sequence[int], temperature: float, seed: int, baseline: bool,
+                draft_tokens: int, device: Any) -> dict[str, Any]:
+    import torch
+
+    from common.progress import Progress
+    from tools.speculative import SpecStats, plain_generate, speculative_generate
 
     def gen() -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed)
