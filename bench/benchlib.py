@@ -94,16 +94,26 @@ def drafter_trainer(target_config: Any, *, num_target_layers: int, vocab_size: i
     rope_theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     config = make_drafter_config(
         hidden_size=int(c.hidden_size), num_attention_heads=heads,
-        num_key_value_heads=int(getattr(c, "num_key_value_heads", heads)),
+        num_key_value_heads=drafter_cfg.num_key_value_heads or int(getattr(c, "num_key_value_heads", heads)),
         head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
         intermediate_size=int(c.intermediate_size), vocab_size=vocab_size,
         rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
         max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)),
         num_hidden_layers=drafter_cfg.num_layers, num_target_layers=num_target_layers, target_layer_ids=layer_ids,
         block_size=drafter_cfg.block_size, mask_token_id=0,
+        draft_vocab_size=min(drafter_cfg.draft_vocab_size, vocab_size), layer_types=drafter_cfg.layer_types,
+        sliding_window=drafter_cfg.sliding_window,
     )
     torch.manual_seed(drafter_cfg.seed)
-    model = DFlashDrafter(config).to(device=device, dtype=dtype)
+    model = DFlashDrafter(config)
+    if model.draft_vocab_size:
+        model.set_draft_vocab(list(range(model.draft_vocab_size)))  # the worker takes the data's most used tokens
+    model = model.to(device=device, dtype=dtype)
     generator = torch.Generator(device=device)
     generator.manual_seed(drafter_cfg.seed)
-    return DrafterTrainer(drafter_cfg, model, make_optimizer(drafter_cfg, model), generator, 0)
+    trainer = DrafterTrainer(drafter_cfg, model, make_optimizer(drafter_cfg, model), generator, 0)
+    if drafter_cfg.distill_weight > 0:  # the soft-target loss reads the last captured layer through the final norm
+        if layer_ids[-1] != num_target_layers - 1:
+            raise ValueError(f"drafter.distill_weight needs the target's last layer captured, not {layer_ids}")
+        trainer.teacher_norm = (torch.ones(int(c.hidden_size), device=device), float(getattr(c, "rms_norm_eps", 1e-6)))
+    return trainer

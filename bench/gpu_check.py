@@ -35,6 +35,7 @@ and prints a summary; exit status 1 when a sync check failed or a section broke.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,7 +48,7 @@ import torch
 
 from benchlib import drafter_trainer, write_json
 
-from common.config import DrafterConfig  # noqa: E402
+from common.config import DrafterConfig, load_config  # noqa: E402
 from common.layer_ids import build_target_layer_ids  # noqa: E402
 from common.streams import SideStream, record_current  # noqa: E402
 from common.sync_guard import sync_guard  # noqa: E402
@@ -111,9 +112,12 @@ def sync(device: torch.device) -> None:
 class Bench:
     """One target with its capture, a batch on the device, and drafters to train on its features."""
 
-    def __init__(self, target: Target, device: torch.device, dtype: torch.dtype, batch: int, seq_len: int, anchors: int):
-        self.target, self.device, self.dtype = target, device, dtype
+    def __init__(self, target: Target, device: torch.device, dtype: torch.dtype, batch: int, seq_len: int,
+                 dcfg: DrafterConfig):
+        self.target, self.device, self.dtype, self.dcfg = target, device, dtype, dcfg
         self.layer_ids = build_target_layer_ids(target.num_layers, 5 if target.num_layers >= 8 else 1)
+        if dcfg.distill_weight > 0:  # the soft-target loss needs the last layer, as the recipes capture it
+            self.layer_ids = sorted({*self.layer_ids[:-1], target.num_layers - 1})
         self.capture = LayerCapture(target.model, self.layer_ids)
         gen = torch.Generator().manual_seed(0)
         self.input_ids = torch.randint(0, target.vocab, (batch, seq_len), generator=gen).to(device)
@@ -124,7 +128,6 @@ class Bench:
         embed = target.model.get_input_embeddings().weight.detach()
         head = target.model.get_output_embeddings().weight.detach()
         self.weights = {torch.float32: (embed.float(), head.float()), dtype: (embed.to(dtype), head.to(dtype))}
-        self.dcfg = DrafterConfig(block_size=16, anchors_per_sequence=anchors, max_steps=0, warmup_steps=2)
 
     def drafter(self, weight_dtype: torch.dtype):
         return drafter_trainer(self.target.config, num_target_layers=self.target.num_layers, vocab_size=self.target.vocab,
@@ -328,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 on CUDA, 64 on CPU")
     parser.add_argument("--anchors", type=int, default=None, help="anchors per sequence (default 32 on CUDA, 4 on CPU)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
+    parser.add_argument("--drafter-config", default=None,
+                        help="a config whose [drafter] section sets the drafter (layers, heads, draft vocabulary, "
+                             "soft-target loss; e.g. configs/quality-gpu.toml); default: block 16, the rest defaults")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="a KEY=VALUE override of --drafter-config (e.g. drafter.num_key_value_heads=0)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -338,7 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     batch = args.batch or (8 if cuda else 2)
     seq_len = args.seq_len or (2048 if cuda else 64)
-    anchors = args.anchors or (32 if cuda else 4)
+    if args.drafter_config:
+        dcfg = load_config(args.drafter_config, args.overrides).drafter
+        dcfg = dataclasses.replace(dcfg, anchors_per_sequence=args.anchors or dcfg.anchors_per_sequence,
+                                   max_steps=0, warmup_steps=2)
+    else:
+        dcfg = DrafterConfig(block_size=16, anchors_per_sequence=args.anchors or (32 if cuda else 4), max_steps=0,
+                             warmup_steps=2)
     steps = args.steps or (10 if cuda else 2)
     targets = (args.targets or ("smollm2,llama8b" if cuda else "tiny")).split(",")
     sections = args.sections.split(",")
@@ -356,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_check] {which}: skipped ({entry['skipped']})", flush=True)
             continue
         entry["name"], entry["load_s"] = target.name, time.perf_counter() - started
-        bench = Bench(target, device, dtype, batch, seq_len, anchors)
+        bench = Bench(target, device, dtype, batch, seq_len, dcfg)
         for section in sections:
             print(f"[gpu_check] {which}: {section}", flush=True)
             try:

@@ -11,6 +11,8 @@
 #                    torch.cuda.set_sync_debug_mode("error"); then the overlap check: capture
 #                    || copy-out and receive || train on the pipeline's side streams
 #                    against one stream, ordered by events only     (bench/gpu_check.py)
+#      sync-recipe   the same sync check with configs/quality.toml's drafter (block 4, draft
+#                    vocabulary, soft-target loss, sliding-window layer) on the 8B shape
 #   3. fused-kernel  the GPU tests (pytest -m gpu): the Triton LM-head loss against the
 #                    reference, side streams, the CUDA sync guard, device selection
 #   4. fused-bench   python bench/fused_loss_bench.py --device cuda (peak memory and time)
@@ -49,6 +51,9 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv 2>/dev/null || true
 
 run sync 150 "$PY" bench/gpu_check.py --device cuda --sections sync,overlap --targets smollm2,llama8b --steps 4 --out "$OUT/sync"
+# The CPU recipe's drafter (block 4, draft vocabulary, soft-target loss, sliding window) on the 8B shape.
+run sync-recipe 120 "$PY" bench/gpu_check.py --device cuda --sections sync --targets llama8b --steps 4 \
+    --drafter-config configs/quality.toml --set drafter.num_key_value_heads=0 --out "$OUT/sync-recipe"
 run fused-kernel 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/drafter_worker/test_lm_loss.py tests/common/test_streams.py tests/common/test_sync_guard.py tests/common/test_devices.py
 run fused-bench 75 "$PY" bench/fused_loss_bench.py --device cuda --out "$OUT/fused_loss.json"
 run throughput 135 "$PY" bench/gpu_check.py --device cuda --sections throughput --targets smollm2,llama8b --out "$OUT/throughput"
@@ -61,7 +66,7 @@ done
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("sync", "throughput"):
+for name in ("sync", "sync-recipe", "throughput"):
     path = out / name / "gpu_check.json"
     if not path.exists():
         print(f"  {name}: no result file")

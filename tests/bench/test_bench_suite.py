@@ -121,3 +121,13 @@ def test_spec_cost_bench_times_the_three_parts_of_a_step(tmp_path, tiny_llama_di
         row = result[mode]
         assert row["break_even_tau"] == pytest.approx((row["verify_ms"] + row["draft_ms"]) / row["plain_ms"], rel=0.01)
         assert row["speedup_at_tau"] == pytest.approx(2 / row["break_even_tau"], rel=0.01)
+
+
+def test_gpu_check_trains_the_recipe_drafter_on_cpu(tmp_path):
+    # gpu_check.sh's sync-recipe section: the CPU recipe's drafter (draft vocabulary, soft-target loss
+    # on the last captured layer, sliding-window layer) built and stepped under the guard.
+    assert gpu_check.main(["--device", "cpu", "--steps", "1", "--sections", "sync", "--drafter-config",
+                           str(ROOT / "configs" / "quality.toml"), "--set", "drafter.num_key_value_heads=0",
+                           "--out", str(tmp_path)]) == 0
+    sync = json.loads((tmp_path / "gpu_check.json").read_text())["tiny"]["sync"]
+    assert sync["train_step"]["ok"] and sync["train_step"]["loss_finite"], sync
