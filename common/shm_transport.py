@@ -53,6 +53,7 @@ sides pass a lock acquire/release between the payload and the tag (see
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -255,7 +256,10 @@ class LivenessLock:
         try:
             path = _path(self.name)
             if _same_file(path, fd):
-                os.unlink(path)
+                # The owner can unlink it between the check and here (it sweeps the pool's files when
+                # it drops the pool): gone is what we wanted.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         finally:
             os.close(fd)  # drops the lock
 

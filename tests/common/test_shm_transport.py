@@ -286,6 +286,25 @@ def test_release_keeps_a_file_that_is_no_longer_its_own(name):
         newer.release()
 
 
+def test_release_tolerates_the_owner_unlinking_the_file_first(name, monkeypatch):
+    # The race seen in the shm pipeline test: the reader checks the file is its own, the
+    # owner (dropping the pool) unlinks it, then the reader's unlink must not crash its shutdown.
+    from common import shm_transport
+
+    live = liveness_name(name, "d0", 5)
+    lock = LivenessLock.acquire(live)
+    real_same_file = shm_transport._same_file
+
+    def owner_unlinks_in_between(path, fd):
+        mine = real_same_file(path, fd)
+        unlink_segment(live)
+        return mine
+
+    monkeypatch.setattr(shm_transport, "_same_file", owner_unlinks_in_between)
+    lock.release()
+    assert not (SHM_DIR / live).exists() and not holder_alive(live)
+
+
 def test_closing_an_attached_ring_releases_its_liveness_lock(name):
     owner = ShmRing.create(name, SLOTS, 1)
     reader = ShmRing.attach(name, SLOTS, 1)
