@@ -346,13 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     batch = args.batch or (8 if cuda else 2)
     seq_len = args.seq_len or (2048 if cuda else 64)
-    if args.drafter_config:
-        dcfg = load_config(args.drafter_config, args.overrides).drafter
-        dcfg = dataclasses.replace(dcfg, anchors_per_sequence=args.anchors or dcfg.anchors_per_sequence,
-                                   max_steps=0, warmup_steps=2)
-    else:
-        dcfg = DrafterConfig(block_size=16, anchors_per_sequence=args.anchors or (32 if cuda else 4), max_steps=0,
-                             warmup_steps=2)
+    dcfg = (load_config(args.drafter_config, args.overrides).drafter if args.drafter_config
+            else DrafterConfig(block_size=16, anchors_per_sequence=32 if cuda else 4))
+    dcfg = dataclasses.replace(dcfg, anchors_per_sequence=args.anchors or dcfg.anchors_per_sequence, max_steps=0,
+                               warmup_steps=2)
     steps = args.steps or (10 if cuda else 2)
     targets = (args.targets or ("smollm2,llama8b" if cuda else "tiny")).split(",")
     sections = args.sections.split(",")

@@ -96,9 +96,8 @@ def cmd_transfer(args) -> int:
     if args.host_id_split:
         # Each rank claims its own host: NCCL's duplicate-GPU check compares (host, bus id) and
         # the pair talks over its socket transport on loopback, so one GPU can hold both ranks.
-        net = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
-        os.environ.update(net, NCCL_HOSTID="dflash-check-target")
-        child_env = {**os.environ, **net, "NCCL_HOSTID": "dflash-check-drafter"}
+        os.environ.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1", NCCL_HOSTID="dflash-check-target")
+        child_env = {**os.environ, "NCCL_HOSTID": "dflash-check-drafter"}
     port = free_port()
     store = host_store("127.0.0.1", port, args.timeout_s)
     child = subprocess.Popen([
