@@ -82,17 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         logger.exception("[fatal] drafter %s crashed", cfg.drafter.id)
         worker.close()
+        _exit_now_if_threads_left(worker, 1)
         raise
     worker.close()
     mark_exited()
     logger.info("[shutdown] drafter %s finished (%s) at step %d", cfg.drafter.id, outcome,
                 worker.trainer.step if worker.trainer else 0)
-    if [t for t in worker.threads_left if any(a.name == t and a.is_alive() for a in threading.enumerate())]:
-        # A receive still inside a bounded C++ wait would abort interpreter shutdown;
-        # the checkpoint is written, so leave without it.
-        logging.shutdown()
-        os._exit(0)
+    _exit_now_if_threads_left(worker, 0)
     return 0
+
+
+def _exit_now_if_threads_left(worker, code: int) -> None:
+    """A receive still inside a bounded C++ wait would abort interpreter shutdown; what had
+    to be written is written (or logged, after a crash), so leave without it."""
+    if [t for t in worker.threads_left if any(a.name == t and a.is_alive() for a in threading.enumerate())]:
+        logging.shutdown()
+        os._exit(code)
 
 
 if __name__ == "__main__":

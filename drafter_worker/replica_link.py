@@ -108,19 +108,23 @@ class ReplicaLink:
 
     def _teardown(self, join_timeout_s: float, linger: int) -> list[str]:
         left: list[str] = []
-        if self.receiver is not None:
-            self.receiver.stop()
-            # Joined so the process group is released on this thread: a daemon thread
-            # freeing it during interpreter shutdown aborts the process.
-            self.receiver.join(timeout=join_timeout_s)
-            if self.receiver.is_alive():
-                left.append(self.receiver.name)
-        if self.attachment is not None:
-            self.attachment.close()
-        if self.sock is not None:
-            self.sock.close(linger=linger)
-        self.sock = self.conn = self.attachment = self.receiver = self.welcome = None
-        self.state = WAITING
+        try:
+            if self.receiver is not None:
+                self.receiver.stop()
+                # Joined so the process group is released on this thread: a daemon thread
+                # freeing it during interpreter shutdown aborts the process.
+                self.receiver.join(timeout=join_timeout_s)
+                if self.receiver.is_alive():
+                    left.append(self.receiver.name)
+            if self.attachment is not None:
+                self.attachment.close()
+        finally:
+            # Whatever the data plane's cleanup raised: a socket left open would keep the
+            # ZeroMQ context, and with it the process, from ever terminating.
+            if self.sock is not None:
+                self.sock.close(linger=linger)
+            self.sock = self.conn = self.attachment = self.receiver = self.welcome = None
+            self.state = WAITING
         return left
 
     # ---------------------------------------------------------------- traffic

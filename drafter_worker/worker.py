@@ -19,6 +19,7 @@ abort/close); nothing here branches on it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -217,9 +218,10 @@ class DrafterWorker:
                             self.trainer.step, weights_digest(self.trainer.model))
         finally:
             join_s = min(self.cfg.transport.timeout_s, 0.3 * self.dcfg.stop_timeout_s)
-            for link in links:
-                self.threads_left += link.close(self.outcome, join_s)
-            self.group.close()
+            with contextlib.ExitStack() as teardown:  # every link and the group closed, even if one fails
+                teardown.callback(self.group.close)
+                for link in reversed(links):  # callbacks run last-in first-out: links in order, then the group
+                    teardown.callback(lambda link=link: self.threads_left.extend(link.close(self.outcome, join_s)))
         return self.outcome
 
     def _next_generation(self) -> int:
@@ -712,4 +714,6 @@ class DrafterWorker:
     def close(self) -> None:
         self._metrics.close()
         self._sockets.close()
-        self._ctx.term()
+        # Closed sockets keep their linger (a BYE still goes out); one a crash left open is
+        # dropped instead of blocking term() forever.
+        self._ctx.destroy(linger=0)

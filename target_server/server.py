@@ -523,5 +523,5 @@ class TargetServer:
             self._sock.close(linger=200)
             self._sock = None
         self._sockets.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # a socket left open by a failure above must not block term() forever
 
