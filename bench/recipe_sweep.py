@@ -144,6 +144,59 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
     return 1.0 + sum(rates), rates, tokens / max(steps, 1)
 
 
+@torch.no_grad()
+def slot_ranks(model, samples, feats, embed, head, idx, top: int) -> list[tuple[int, dict[int, tuple[int, ...]]]]:
+    """For each answer of ``idx``: its first answer position, and for every eligible anchor the rank of the
+    right token in each draft slot's logits (``top`` when it is not among the first ``top`` or cannot be drafted)."""
+    model.eval()
+    answers = []
+    for j in idx:
+        s = samples[j]
+        ids, mask, lens = s.input_ids.long()[None], s.loss_mask[None], torch.tensor([len(s)])
+        anchors, valid = sample_anchors(mask, lens, len(s))
+        inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors,
+                                    anchor_valid=valid, block_size=model.block_size, mask_token_id=model.mask_token_id)
+        rows, labels, in_vocab = model.head_and_labels(head, inputs.labels[:, :, 1:])
+        logits = _block_hidden(model, inputs, feats[j][None], embed, anchors)[:, :, 1:] @ rows.T
+        hit = logits.topk(top, dim=-1).indices == labels[..., None]
+        found = hit.any(-1) & inputs.label_valid[:, :, 1:].bool()
+        if in_vocab is not None:
+            found &= in_vocab.bool()
+        ranks = torch.where(found, hit.float().argmax(-1), torch.full_like(labels, top))
+        answers.append((s.loss_mask.tolist().index(1), dict(zip(anchors[valid].tolist(), map(tuple, ranks[valid].tolist())))))
+    model.train()
+    return answers
+
+
+def tree_accepts(tree, ranks: tuple[int, ...]) -> int:
+    """Drafts a step accepts when the target verifies ``tree`` (prefix-closed paths of per-slot ranks) at once."""
+    return max((len(path) for path in tree if ranks[: len(path)] == path), default=0)
+
+
+def tree_walk_tau(tree, answers) -> float:
+    """The decoding walk (as in :func:`heldout_acceptance`) when every step verifies ``tree``."""
+    steps = tokens = 0
+    for a, ranks in answers:
+        while a in ranks:
+            gained = tree_accepts(tree, ranks[a])
+            steps, tokens, a = steps + 1, tokens + gained + 1, a + gained + 1
+    return tokens / max(steps, 1)
+
+
+def greedy_tree(answers, nodes: int, top: int, depth: int) -> list[tuple[int, ...]]:
+    """The ``nodes`` rank paths most often all right on ``answers``, added one at a time (each with its parent)."""
+    seen = [r for _, ranks in answers for r in ranks.values()]
+    tree: list[tuple[int, ...]] = []
+    frontier = {(r,) for r in range(top)}
+    while len(tree) < nodes and frontier:
+        best = max(sorted(frontier), key=lambda path: sum(r[: len(path)] == path for r in seen))
+        tree.append(best)
+        frontier.remove(best)
+        if len(best) < depth:
+            frontier |= {best + (r,) for r in range(top)}
+    return tree
+
+
 def sweep_dataset(cfg, loaded, samples: int):
     """The first ``samples`` samples of the config's data, split as the target splits them."""
     return build_dataset(loaded.tokenizer, cfg.data.source, max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
@@ -171,11 +224,17 @@ def main() -> int:
     p.add_argument("--seqs", type=int, default=4, help="sequences per step")
     p.add_argument("--holdout", type=int, default=40,
                    help="the last this many captured samples are not trained on; they score teacher-forced tau")
+    p.add_argument("--train-samples", type=int, default=0,
+                   help="train on only the first this many of the samples before --holdout (0: all of them); "
+                        "the held-out answers stay the same, so runs with different amounts of data compare")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of measured tau (0: skip it)")
     p.add_argument("--eval-on", choices=("heldout-split", "holdout"), default="heldout-split",
                    help="measured tau on the data's held-out conversations, or on the --holdout samples that "
                         "teacher-forced tau scores (the two then measure the same answers)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree-nodes", default="",
+                   help="also score verification trees of these many drafts (e.g. 3,8,12): built on the first half "
+                        "of the --holdout answers from the per-slot ranks of the right tokens, walked on the second")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
     p.add_argument("--feature-dir", default="/tmp/dflash-sweep", help="captured features are kept here between runs")
@@ -212,7 +271,8 @@ def main() -> int:
             prompts.append(s.input_ids[: m.index(1)].tolist())
     prompts = prompts[: args.eval_prompts]
     stops = stop_token_ids(loaded.tokenizer, loaded.model)
-    ranking = token_ranking(ds.train[:n_train], loaded.vocab_size, 1 << 15)
+    trained_on = ds.train[: min(n_train, args.train_samples or n_train)]
+    ranking = token_ranking(trained_on, loaded.vocab_size, 1 << 15)
     arch = loaded.config
     for spec in args.variant:
         name, _, sets = spec.partition(":")
@@ -247,7 +307,7 @@ def main() -> int:
         if vcfg.logit_std_init > 0:
             init_logit_scale(model, embed, head, vcfg.logit_std_init, seed=vcfg.seed)
         if vcfg.feature_scale_init and not copy_layers:
-            f0, _, _, l0 = next(batches(ds.train[:n_train], feats, random.Random(vcfg.seed + 1), 8))
+            f0, _, _, l0 = next(batches(trained_on, feats, random.Random(vcfg.seed + 1), 8))
             init_feature_scale(model, f0, l0)
         gen = torch.Generator().manual_seed(vcfg.seed)
         trainer = DrafterTrainer(vcfg, model, make_optimizer(vcfg, model), gen, 0)
@@ -255,7 +315,7 @@ def main() -> int:
             if layer_ids[-1] != loaded.num_layers - 1:
                 raise SystemExit(f"{name}: distill_weight needs the target's last layer captured, not {layer_ids}")
             trainer.teacher_norm = final_norm_weight(loaded.model)
-        data = batches(ds.train[:n_train], feats, random.Random(vcfg.seed), args.seqs)
+        data = batches(trained_on, feats, random.Random(vcfg.seed), args.seqs)
         # Schedule: estimate the budget's steps from the first 3 steps' pace.
         budget = args.minutes * 60
         start = time.monotonic()
@@ -275,6 +335,15 @@ def main() -> int:
                 losses.append(v["loss_sum"][0] / max(v["finite_steps"][0], 1))
         train_s = time.monotonic() - start
         tf_tau, tf_accept, walk_tau = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)))
+        trees = {}
+        if args.tree_nodes:
+            answers = slot_ranks(model, ds.train, feats, embed, head, range(n_train, len(ds.train)), top=8)
+            build, score = answers[: len(answers) // 2], answers[len(answers) // 2:]
+            chain = [(0,) * d for d in range(1, model.block_size)]
+            trees["chain"] = {"tau": round(tree_walk_tau(chain, score), 3), "paths": chain}
+            for nodes in map(int, args.tree_nodes.split(",")):
+                tree = greedy_tree(build, nodes, top=8, depth=model.block_size - 1)
+                trees[str(nodes)] = {"tau": round(tree_walk_tau(tree, score), 3), "paths": tree}
         walk_of_eval = None
         if args.eval_on == "holdout" and prompts:  # the same answers measured tau decodes
             eval_idx = [j for j in range(n_train, len(ds.train)) if 0 < ds.train[j].loss_mask.tolist().index(1)]
@@ -285,9 +354,10 @@ def main() -> int:
         row = {"variant": name, "overrides": overrides, "layers": layer_ids, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
                "heldout_tau": round(tf_tau, 3), "heldout_accept": [round(a, 3) for a in tf_accept],
-               "heldout_walk_tau": round(walk_tau, 3), "walk_tau_of_eval_prompts": walk_of_eval,
+               "heldout_walk_tau": round(walk_tau, 3), "walk_tau_of_eval_prompts": walk_of_eval, "tree_walk_tau": trees,
                "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
-               "speedup": round(report["speedup"], 3), "samples": len(ds.train)}
+               "speedup": round(report["speedup"], 3), "samples": len(ds.train),
+               "train_samples": len(trained_on)}
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tau", type=float, default=0.0, help="also print the speed-up at this tau")
+    p.add_argument("--verify-lengths", default="",
+                   help="also time the target over this many tokens with small-row linears (e.g. 1,4,5,8,13): "
+                        "what a longer block or a tree of drafts would cost to verify")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_target(args.model)
@@ -83,13 +86,24 @@ def main(argv: list[str] | None = None) -> int:
             proposer.propose(fresh, context[-1], n, drafts)
             proposer.cache.crop(n - 2)
 
+        def verify_length(tokens: int):
+            def run() -> None:
+                _target_forward(target, context[-tokens:], n, cache, hidden=True, last_only=False)
+                crop_cache(cache, n)
+            return run
+
+        lengths = [int(x) for x in args.verify_lengths.split(",") if x]
         modes = {"own": contextlib.nullcontext, "small_rows": lambda: small_row_linears(target, drafter)}
         times: dict[str, dict[str, list[float]]] = {mode: {"plain": [], "verify": [], "draft": []} for mode in modes}
+        by_length: dict[int, list[float]] = {tokens: [] for tokens in lengths}
         for _ in range(args.rounds + 1):  # the first round warms up
             for mode, linears in modes.items():
                 with linears():
                     for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
                         times[mode][name].append(_timed(fn))
+            with small_row_linears(target, drafter):
+                for tokens in lengths:
+                    by_length[tokens].append(_timed(verify_length(tokens)))
     print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified), "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
     result: dict = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
@@ -107,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup_at_tau"] = round(args.tau / break_even, 3)
             print(f"    speed-up at tau {args.tau:.2f}: {args.tau / break_even:.2f}x")
         result[mode] = row
+    if lengths:
+        plain_ms = statistics.median(times["small_rows"]["plain"][1:])
+        result["verify_ms_by_tokens"] = {}
+        print("  the target over n tokens (small-row linears, with hidden states):")
+        for tokens, values in by_length.items():
+            ms = statistics.median(values[1:])
+            result["verify_ms_by_tokens"][tokens] = round(ms, 2)
+            print(f"    {tokens:3d} tokens {ms:7.1f} ms  ({ms / plain_ms:.2f}x a plain step)")
     print(json.dumps(result))
     return 0
 

@@ -114,9 +114,11 @@ def test_spec_cost_bench_times_the_three_parts_of_a_step(tmp_path, tiny_llama_di
                                                     intermediate_size=128, vocab_size=49152, mask_token_id=49151,
                                                     max_position_embeddings=1024, draft_vocab_size=512))
     assert spec_cost_bench.main(["--drafter", str(tmp_path / "drafter"), "--model", str(tiny_llama_dir),
-                                 "--context", "40", "--rounds", "3", "--threads", "1", "--tau", "2"]) == 0
+                                 "--context", "40", "--rounds", "3", "--threads", "1", "--tau", "2",
+                                 "--verify-lengths", "1,9"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["draft_tokens"] == result["block_size"] - 1
+    assert sorted(result["verify_ms_by_tokens"]) == ["1", "9"]  # a tree's or a longer block's verification
     for mode in ("own", "small_rows"):  # the models' own linear layers, then tools.small_linears
         row = result[mode]
         assert row["break_even_tau"] == pytest.approx((row["verify_ms"] + row["draft_ms"]) / row["plain_ms"], rel=0.01)
