@@ -17,6 +17,7 @@ itself then runs in the real pipeline (``make quality``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -102,6 +103,15 @@ def batches(samples, feats, rng: random.Random, seqs: int):
             yield f, ids, mask, lens
 
 
+def _every_anchor(model, sample, sample_feats, embed):
+    """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden states)``."""
+    ids, mask, lens = sample.input_ids.long()[None], sample.loss_mask[None], torch.tensor([len(sample)])
+    anchors, valid = sample_anchors(mask, lens, len(sample))
+    inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors, anchor_valid=valid,
+                                block_size=model.block_size, mask_token_id=model.mask_token_id)
+    return anchors, valid, inputs, _block_hidden(model, inputs, sample_feats[None], embed, anchors)
+
+
 @torch.no_grad()
 def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, list[float], float]:
     """Teacher-forced tau on the samples ``idx``: every eligible anchor of every sample, drafted once.
@@ -122,12 +132,7 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
     blocks = steps = tokens = 0
     for j in idx:
         s = samples[j]
-        ids, mask = s.input_ids.long()[None], s.loss_mask[None]
-        lens = torch.tensor([len(s)])
-        anchors, valid = sample_anchors(mask, lens, len(s))
-        inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors,
-                                    anchor_valid=valid, block_size=bs, mask_token_id=model.mask_token_id)
-        hidden = _block_hidden(model, inputs, feats[j][None], embed, anchors)
+        anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
         _, hits = _weighted_slot_loss(model, hidden, inputs, head, 1.0, "auto")
         run = (hits.bool() & inputs.label_valid[:, :, 1:]).long().cumprod(-1)  # slots 1..k all right
         accepted += run[valid].sum(0).float()
@@ -152,12 +157,9 @@ def slot_ranks(model, samples, feats, embed, head, idx, top: int) -> list[tuple[
     answers = []
     for j in idx:
         s = samples[j]
-        ids, mask, lens = s.input_ids.long()[None], s.loss_mask[None], torch.tensor([len(s)])
-        anchors, valid = sample_anchors(mask, lens, len(s))
-        inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors,
-                                    anchor_valid=valid, block_size=model.block_size, mask_token_id=model.mask_token_id)
+        anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
         rows, labels, in_vocab = model.head_and_labels(head, inputs.labels[:, :, 1:])
-        logits = _block_hidden(model, inputs, feats[j][None], embed, anchors)[:, :, 1:] @ rows.T
+        logits = hidden[:, :, 1:] @ rows.T
         hit = logits.topk(top, dim=-1).indices == labels[..., None]
         found = hit.any(-1) & inputs.label_valid[:, :, 1:].bool()
         if in_vocab is not None:
@@ -283,7 +285,8 @@ def main() -> int:
         kvs = [kv for kv in kvs if not kv.startswith("init.")]
         overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.", "target.")) else kv for kv in kvs]
         full = load_config(args.config, [*args.overrides, *overrides])
-        vcfg = full.drafter
+        # The sweep's own budget (--steps or --minutes) sets the cosine, not the recipe's run length.
+        vcfg = dataclasses.replace(full.drafter, decay_steps=0, decay_minutes=0.0)
         layer_ids = full.target.target_layer_ids or build_target_layer_ids(loaded.num_layers,
                                                                             full.target.num_captured_layers)
         feats = features(layer_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ class DrafterConfig:
     warmup_steps: int = _doc("linear warm-up steps", 10)
     max_steps: int = _doc("stop after this many optimizer steps; 0 = until the data ends or a signal", 100)
     decay_steps: int = _doc("length of the cosine schedule; 0 = max_steps, or with max_steps 0 the plan length the target announces (its batches over data.num_epochs)", 0)
+    decay_minutes: float = _doc("length of the cosine in minutes of training instead of steps, for a run bound by wall-clock time (make quality), where how many steps the minutes hold depends on the machine: the drafter's clock from its first step, kept across restarts in its checkpoints (rank 0's for a torchrun group); 0 = by steps (decay_steps)", 0.0)
     grad_clip: float = _doc("gradient norm clipping threshold", 1.0)
     credits: int = _doc("batches a drafter keeps in flight (>= 2 overlaps receive and compute)", 2)
     checkpoint_every_steps: int = _doc("checkpoint period in optimizer steps (also at shutdown)", 50)
@@ -266,6 +268,11 @@ class DrafterConfig:
         _require(0 <= self.min_lr_ratio <= 1, "drafter.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _require(self.warmup_steps >= 0, "drafter.warmup_steps", "must be >= 0", self.warmup_steps)
         _require(self.max_steps >= 0, "drafter.max_steps", "must be >= 0", self.max_steps)
+        _require(self.decay_steps >= 0, "drafter.decay_steps", "must be >= 0", self.decay_steps)
+        _require(math.isfinite(self.decay_minutes) and self.decay_minutes >= 0, "drafter.decay_minutes",
+                 "must be a finite number >= 0", self.decay_minutes)
+        _require(not (self.decay_minutes and self.decay_steps), "drafter.decay_minutes",
+                 "and drafter.decay_steps are two lengths for one schedule: set one of them", self.decay_minutes)
         _require(self.grad_clip > 0, "drafter.grad_clip", "must be > 0", self.grad_clip)
         _require(1 <= self.credits <= 64, "drafter.credits", "must be in [1, 64]", self.credits)
         _require(self.checkpoint_every_steps >= 1, "drafter.checkpoint_every_steps", "must be >= 1", self.checkpoint_every_steps)

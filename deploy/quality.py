@@ -1,14 +1,14 @@
 """``make quality``: train one drafter with the quality recipe and measure it against the real target.
 
-    python deploy/quality.py --config configs/quality.toml [--set key=value ...] [--train-minutes 44]
+    python deploy/quality.py --config configs/quality.toml [--set key=value ...] [--train-minutes 50]
 
 Starts the job the way the demo does (metrics sidecar, target server, drafter,
 each its own process) plus one ``dflash-eval --watch`` process per drafter that
 evaluates every new checkpoint with real speculative decoding, so W&B and the
-report show ``eval/tau`` against wall-clock minutes. Training ends when the
-target has served the recipe's epochs (the learning-rate schedule spans
-exactly that plan) or, as a safety net on a slow machine, after
-``--train-minutes`` (the drafter then checkpoints on SIGTERM). Then a final
+report show ``eval/tau`` against wall-clock minutes. Training ends
+``--train-minutes`` after the start (the drafter checkpoints on SIGTERM; the
+recipe's cosine, ``drafter.decay_minutes``, ends there on the drafter's own
+clock), or earlier when the target has served the recipe's epochs. Then a final
 evaluation on held-out prompts (target-generated answers the drafter never
 trained on) measures tau, acceptance per block position and speculative vs
 plain greedy tokens/s side by side; the drafter is exported; the summary is
@@ -32,6 +32,7 @@ from deploy.demo import STOP_TIMEOUT_S, _plots, summarize  # noqa: E402
 from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
 
+TRAIN_MINUTES = 50.0  # training stops this long after the start; the hour holds it with evaluation and export
 DRAFTER_STOP_TIMEOUT_S = 120.0  # drafters stopped by --train-minutes checkpoint first
 FINAL_EVAL_TIMEOUT_S = 3600.0
 EXPORT_TIMEOUT_S = 600.0
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "quality.toml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--train-minutes", type=float, default=44.0,
-                        help="stop training after this long even if the plan is not finished (default 44)")
+    parser.add_argument("--train-minutes", type=float, default=TRAIN_MINUTES,
+                        help=f"stop training this long after the start even if the plan is not finished (default "
+                             f"{TRAIN_MINUTES:g}; the recipe's drafter.decay_minutes ends its cosine there)")
     parser.add_argument("--eval-every-s", type=float, default=240.0,
                         help="how often the watcher evaluates the newest checkpoint (each evaluation takes CPU from training)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts of the final evaluation")

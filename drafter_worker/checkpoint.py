@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -150,6 +151,9 @@ class TrainerState:
     # The plan x replica split the coverage refers to (WELCOME.topology_id; empty before the first batch).
     topology_id: str = ""
     world_size: int = 1  # ranks that trained the drafter (the RNG states in trainer.pt are per rank)
+    # The drafter's training clock: wall-clock seconds since its first step, over all its runs
+    # (drafter.decay_minutes schedules by it). 0 in checkpoints that predate it.
+    train_seconds: float = 0.0
 
     def to_json(self) -> dict:
         data = {
@@ -157,7 +161,7 @@ class TrainerState:
             "model_id": self.model_id, "tokens_trained": self.tokens_trained,
             "train_samples": self.train_samples, "data_fingerprint": self.data_fingerprint,
             "batches_per_epoch": self.batches_per_epoch, "topology_id": self.topology_id,
-            "world_size": self.world_size,
+            "world_size": self.world_size, "train_seconds": self.train_seconds,
         }
         if self.init_from:
             data["init_from"] = self.init_from
@@ -174,6 +178,7 @@ class TrainerState:
             train_samples=int(data.get("train_samples", 0)), data_fingerprint=data.get("data_fingerprint", ""),
             batches_per_epoch=int(data.get("batches_per_epoch", 0)), init_from=data.get("init_from", ""),
             topology_id=data.get("topology_id", ""), world_size=int(data.get("world_size", 1)),
+            train_seconds=_seconds(data.get("train_seconds", 0.0)),
         )
 
     def trained(self, replica: int, batch_id: int) -> bool:
@@ -187,14 +192,21 @@ class TrainerState:
                 for r, c in enumerate(self.coverage)}
 
 
+def _seconds(value) -> float:
+    seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"train_seconds must be a finite number >= 0, got {value!r}")
+    return seconds
+
+
 def _why_unreadable(path: Path) -> str:
     """Why ``path`` is not a complete checkpoint; empty when it is one."""
     bad = [name for name in CHECKPOINT_FILES if not (path / name).is_file() or (path / name).stat().st_size == 0]
     if bad:
         return f"lacks {', '.join(bad)}"
     try:
-        int(json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        TrainerState.from_json(json.loads((path / "trainer_state.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"has an unreadable trainer_state.json ({type(exc).__name__}: {exc})"
     return ""
 

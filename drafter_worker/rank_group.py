@@ -43,7 +43,7 @@ ROUND_TIMEOUT = datetime.timedelta(days=7)
 
 # What a rank brings to a round.
 BATCH, EXHAUSTED, STOPPING = 0, 1, 2
-_ROUND_WIDTH = 4  # kind, replica, plan index, tokens
+_ROUND_WIDTH = 5  # kind, replica, plan index, tokens, training clock
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class Entry:
     replica: int = -1
     batch_id: int = -1
     tokens: int = 0  # real tokens of the batch (the drafter's tokens-trained count)
+    clock_ms: int = 0  # the rank's training clock; rank 0's sets every rank's learning rate (drafter.decay_minutes)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class RankGroup:
     def round(self, mine: Entry, pump: Callable[[], None]) -> list[Entry]:
         """Every rank's entry of this round, in rank order (waits for all of them, pumping meanwhile)."""
         out = [torch.empty(_ROUND_WIDTH, dtype=torch.int64) for _ in range(self.world_size)]
-        mine_t = torch.tensor([mine.kind, mine.replica, mine.batch_id, mine.tokens], dtype=torch.int64)
+        mine_t = torch.tensor([mine.kind, mine.replica, mine.batch_id, mine.tokens, mine.clock_ms], dtype=torch.int64)
         self._wait(self._dist.all_gather(out, mine_t, group=self._control, async_op=True), pump)
         return [Entry(*(int(v) for v in t.tolist())) for t in out]
 

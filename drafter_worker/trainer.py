@@ -41,15 +41,20 @@ def schedule_length(cfg: DrafterConfig, plan_steps: int = 0) -> int:
     return cfg.decay_steps or cfg.max_steps or plan_steps
 
 
-def learning_rate(cfg: DrafterConfig, step: int, plan_steps: int = 0) -> float:
-    """Linear warm-up, then cosine decay to ``learning_rate * min_lr_ratio``."""
+def learning_rate(cfg: DrafterConfig, step: int, plan_steps: int = 0, train_seconds: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to ``learning_rate * min_lr_ratio``: over
+    ``decay_minutes`` of the drafter's training clock (``train_seconds``) when set,
+    else over :func:`schedule_length` steps."""
     peak = cfg.learning_rate
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
-    decay = schedule_length(cfg, plan_steps)
-    if not decay:
-        return peak
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay - cfg.warmup_steps))
+    if cfg.decay_minutes:
+        progress = min(1.0, max(0.0, train_seconds) / (cfg.decay_minutes * 60.0))
+    else:
+        decay = schedule_length(cfg, plan_steps)
+        if not decay:
+            return peak
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay - cfg.warmup_steps))
     floor = peak * cfg.min_lr_ratio
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -82,6 +87,7 @@ class DrafterTrainer:
         self.generator = generator
         self.step = step
         self.plan_steps = 0  # the target's plan length for this group (WELCOME); sets the schedule when max_steps is 0
+        self.train_seconds = 0.0  # the drafter's training clock (host value, set by the caller); drafter.decay_minutes
         self.collect_metrics = collect_metrics  # off only to measure what metrics cost (bench/)
         # The target's final norm (weight, eps) from WELCOME: the soft-target loss needs it (drafter.distill_weight).
         self.teacher_norm: tuple[torch.Tensor, float] | None = None
@@ -122,7 +128,7 @@ class DrafterTrainer:
         ``contribute=False``: a zero-gradient step (this rank has no batch of its own this round, see
         drafter_worker.rank_group); it runs the same forward and backward, so the gradient all-reduce of
         the other ranks is matched, and records no metrics."""
-        lr = learning_rate(self.cfg, self.step, self.plan_steps)
+        lr = learning_rate(self.cfg, self.step, self.plan_steps, self.train_seconds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()

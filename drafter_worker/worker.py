@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import zmq
@@ -158,7 +158,8 @@ class DrafterWorker:
         self._resume_path = self.checkpoints.latest()
         if self._resume_path is not None:
             self.state = self.checkpoints.read_state(self._resume_path)
-            logger.info("[resume] drafter %s: checkpoint %s (step %d)", self.dcfg.id, self._resume_path, self.state.step)
+            logger.info("[resume] drafter %s: checkpoint %s (step %d, training clock %.1f s)", self.dcfg.id,
+                        self._resume_path, self.state.step, self.state.train_seconds)
         self.ledger.resumed(self.state.step if self.state else 0)
         self._checkpoint_step = self.state.step if self.state else 0
         self.group: SoloGroup | RankGroup = SoloGroup()  # the torchrun group is joined in run()
@@ -180,6 +181,7 @@ class DrafterWorker:
         self._window = _Window()
         self._window_host: tuple[_Window, int, float] | None = None
         self._first_step_at: float | None = None
+        self._clock_origin: float | None = None  # monotonic time where the training clock reads 0 (first round)
         self.outcome = "running"
         self.threads_left: list[str] = []
 
@@ -247,6 +249,7 @@ class DrafterWorker:
             entry = self._entry(links)
             if entry is None:
                 continue
+            entry = replace(entry, clock_ms=self._clock_ms())
             entries = self.group.round(entry, pump=lambda: self._pump(links, wait_ms=0))
             kinds = {e.kind for e in entries}
             if STOPPING in kinds:
@@ -271,6 +274,12 @@ class DrafterWorker:
         if all(link.exhausted for link in links):
             return Entry(EXHAUSTED)
         return None
+
+    def _clock_ms(self) -> int:
+        """The training clock: the checkpoint's seconds, then the time since this process's first round."""
+        if self._clock_origin is None:
+            return int(self.state.train_seconds * 1000) if self.state else 0
+        return int((time.monotonic() - self._clock_origin) * 1000)
 
     def _take_received(self, links: list[ReplicaLink]) -> _Received | None:
         """The next received batch of any replica (each in turn)."""
@@ -302,6 +311,10 @@ class DrafterWorker:
             self._wrapped = True
         mine, self._pending = self._pending, None
         contribute = plan[self.rank] is not None
+        # Every rank steps with rank 0's clock, so the ranks' learning rates (and weights) stay equal.
+        trainer.train_seconds = entries[0].clock_ms / 1000.0
+        if self._clock_origin is None:
+            self._clock_origin = time.monotonic() - trainer.train_seconds
         if mine is not None and not contribute:
             logger.warning("[round] batch %d of replica %d is one the drafter has trained already (a replica "
                            "restarted, or another rank brought it): not trained again", mine.meta.batch_id,
@@ -349,6 +362,7 @@ class DrafterWorker:
                 self.state.coverage[e.replica].add(e.batch_id // self.replicas)
                 self.state.tokens_trained += e.tokens
         self.state.step = step
+        self.state.train_seconds = self.trainer.train_seconds
         if mine is None:
             self.ledger.idle(step, first_step)
         else:

@@ -35,3 +35,26 @@ def test_greedy_tree_adds_the_most_often_right_paths_with_their_parents():
     assert tree == [(0,), (0, 0), (0, 0, 0), (1,)]
     assert all(path[:-1] in tree for path in tree if len(path) > 1)  # prefix-closed: verifiable
     assert len(recipe_sweep.greedy_tree(answers, nodes=100, top=2, depth=1)) == 2  # bounded by top ** depth
+
+
+def test_the_chain_walk_over_slot_ranks_is_the_decoding_walk_of_heldout_acceptance():
+    # Two views of the same drafts: per-slot ranks walked with the chain, and the acceptance walk.
+    # A vocabulary of 5 (the mask token is the last) makes a random drafter right often enough to walk.
+    import torch
+
+    from target_server.data import Sample
+    from tests.fixtures import TINY_CAPTURED, TINY_HIDDEN, tiny_drafter
+
+    model = tiny_drafter(vocab_size=5)
+    g = torch.Generator().manual_seed(0)
+    samples, feats = [], []
+    for j in range(6):
+        n = 40
+        samples.append(Sample(j, torch.randint(0, 4, (n,), generator=g, dtype=torch.int32),
+                              torch.tensor([0] * 6 + [1] * (n - 6), dtype=torch.uint8)))
+        feats.append(torch.randn(n, TINY_CAPTURED * TINY_HIDDEN, generator=g))
+    embed, head = torch.randn(5, TINY_HIDDEN, generator=g), torch.randn(5, TINY_HIDDEN, generator=g)
+    _, rates, walk_tau = recipe_sweep.heldout_acceptance(model, samples, feats, embed, head, range(6))
+    answers = recipe_sweep.slot_ranks(model, samples, feats, embed, head, range(6), top=5)
+    assert rates[0] > 0.1 and walk_tau > 1.1  # the walk moves past accepted drafts, not one token a step
+    assert recipe_sweep.tree_walk_tau(CHAIN, answers) == walk_tau

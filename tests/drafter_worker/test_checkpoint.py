@@ -336,6 +336,27 @@ def test_trainer_state_of_an_older_checkpoint_has_no_data_identity(tmp_path):
     assert store.read_state(store.latest()) == full
 
 
+def test_the_training_clock_resumes_and_a_corrupt_one_falls_back_to_the_previous_checkpoint(tmp_path):
+    cfg = DrafterConfig()
+    model = tiny_drafter()
+    store = CheckpointStore(tmp_path, "d0", keep=3)
+    store.save(TrainerState(3, [Coverage(2)], "d0", "tiny", train_seconds=61.5), model, make_optimizer(cfg, model),
+               torch.Generator())
+    assert store.read_state(store.latest()).train_seconds == 61.5
+    newer = store.save(TrainerState(5, [Coverage(3)], "d0", "tiny", train_seconds=90.0), model,
+                       make_optimizer(cfg, model), torch.Generator())
+    data = json.loads((newer / "trainer_state.json").read_text())
+    for bad in (float("nan"), -1.0, "soon"):
+        (newer / "trainer_state.json").write_text(json.dumps({**data, "train_seconds": bad}))
+        with pytest.raises(ValueError, match="train_seconds"):
+            store.read_state(newer)
+        back = store.latest()  # the step-3 checkpoint, whose clock is intact
+        assert back.name == "step-3" and store.read_state(back).train_seconds == 61.5
+    del data["train_seconds"]  # a checkpoint from before the clock: it starts at 0
+    (newer / "trainer_state.json").write_text(json.dumps(data))
+    assert store.read_state(store.latest()).train_seconds == 0.0
+
+
 def test_a_corrupt_ledger_line_in_the_middle_is_an_error(tmp_path):
     # Only an unfinished last line may be skipped: damage in the middle would hide lost steps.
     ledger = Ledger(tmp_path, "d0")

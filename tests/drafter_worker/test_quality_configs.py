@@ -23,6 +23,10 @@ def test_recipe_configs_validate(name):
     assert cfg.data.heldout_fraction > 0  # the evaluation's prompts are never trained on
     if cfg.drafter.distill_weight > 0:  # the soft-target loss reads SmolLM2's last layer (29 of 30)
         assert cfg.target.target_layer_ids and cfg.target.target_layer_ids[-1] == 29
+    if name == "quality.toml":  # the cosine ends by the time make quality stops training, not after
+        from deploy.quality import TRAIN_MINUTES
+
+        assert 0.9 * TRAIN_MINUTES < cfg.drafter.decay_minutes < TRAIN_MINUTES
 
 
 def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():

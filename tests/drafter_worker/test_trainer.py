@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import DrafterConfig
+from common.config import ConfigError, DrafterConfig, load_config
 from drafter_worker.trainer import DrafterTrainer, learning_rate, make_optimizer, summarize
 from tests.fixtures import (
     TINY_BLOCK as BLOCK, TINY_CAPTURED as K, TINY_HIDDEN as HIDDEN, TINY_VOCAB as VOCAB, tiny_drafter,
@@ -82,6 +82,33 @@ def test_lr_without_warmup_starts_at_peak():
     assert learning_rate(cfg, 0) == pytest.approx(1e-3)
     assert learning_rate(cfg, 20) == pytest.approx(0.0, abs=1e-15)
     assert all(learning_rate(cfg, s) > 0 for s in range(20))
+
+
+def test_lr_over_minutes_follows_the_training_clock_not_the_steps():
+    cfg = DrafterConfig(learning_rate=1e-3, warmup_steps=10, max_steps=0, decay_minutes=2.0, min_lr_ratio=0.1)
+    assert learning_rate(cfg, 4, 0, train_seconds=100.0) == pytest.approx(5e-4)  # warm-up is by steps
+    mid = 1e-4 + 0.5 * (1e-3 - 1e-4)
+    for step in (10, 500, 50_000):  # however many steps the minutes held
+        assert learning_rate(cfg, step, 0, 0.0) == pytest.approx(1e-3)
+        assert learning_rate(cfg, step, 0, 60.0) == pytest.approx(mid)
+        assert learning_rate(cfg, step, 0, 120.0) == pytest.approx(1e-4)
+        assert learning_rate(cfg, step, 0, 1e6) == pytest.approx(1e-4)
+    clock = [learning_rate(cfg, 20, 0, t) for t in range(0, 121)]
+    assert all(a > b for a, b in zip(clock, clock[1:]))
+    trainer = make_trainer(warmup_steps=0, max_steps=0, decay_minutes=1.0, min_lr_ratio=0.0, learning_rate=1e-3)
+    trainer.train_seconds = 30.0
+    assert trainer.train_step(*random_batch()) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["drafter.decay_minutes=40", "drafter.decay_steps=2000"], "set one of them"),
+    (["drafter.decay_minutes=-1"], "finite number >= 0"),
+    (["drafter.decay_minutes=nan"], "finite number >= 0"),
+    (["drafter.decay_steps=-5"], "must be >= 0"),
+])
+def test_schedule_lengths_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
 
 
 # ---------------------------------------------------------------------------

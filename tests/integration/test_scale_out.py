@@ -29,7 +29,9 @@ pytestmark = pytest.mark.timeout(420)
 
 def scale_out_config(tmp_path: Path, model: str, *, checkpoint_every: int = 4) -> Path:
     """Two replicas (ports of replica 1 = replica 0's + a free step), drafter g0 for 2 ranks, d1 for one."""
-    drafters = {"g0": {"devices": ["cpu", "cpu"], "checkpoint_every_steps": checkpoint_every}, "d1": {"seed": 1}}
+    # g0's cosine runs on its training clock (rank 0's for both ranks, resumed from the checkpoint after a restart).
+    drafters = {"g0": {"devices": ["cpu", "cpu"], "checkpoint_every_steps": checkpoint_every, "decay_minutes": 0.5},
+                "d1": {"seed": 1}}
     path = write_config(tmp_path, model, drafters=drafters,
                         sections={"target": ["replicas = 2"], "data": ["num_epochs = 1"]})
     text = path.read_text()
@@ -84,7 +86,12 @@ def test_a_killed_replica_and_a_killed_rank_lose_and_repeat_nothing(tmp_path, ti
     assert reports["g0"].world_size == 2 and reports["d1"].world_size == 1
     # The ranks split the work: the group's final lineage has far fewer steps than batches.
     assert reports["g0"].final_step < 0.75 * reports["g0"].batches, reports["g0"]
-    assert len(set(final_digests(run_dir))) == 1  # both ranks end with the same weights
+    # Both ranks end with the same weights: they stepped with the same learning rates, rank 0's clock.
+    assert len(set(final_digests(run_dir))) == 1
+    resumed = re.findall(r"\[resume\] drafter g0: checkpoint .* training clock ([\d.]+) s",
+                         (run_dir / "logs" / "drafter-g0.0.log").read_text())
+    assert len(resumed) == 1 and float(resumed[0]) > 0, resumed  # generation 2 went on from generation 1's clock
+    assert _final_state(run_dir, "g0").train_seconds > float(resumed[0])
     for r in range(2):  # both replicas served both drafters to the end
         log = (run_dir / "logs" / f"target-{r}.log").read_text()
         assert f"replica {r} of 2 serves" in log
@@ -98,11 +105,15 @@ def _durable_batches(run_dir: Path, ledger: str) -> int:
     return path.read_text().count('"kind":"step"') if path.exists() else 0
 
 
-def _batches_per_epoch(run_dir: Path, drafter: str) -> int:
+def _final_state(run_dir: Path, drafter: str):
     from drafter_worker.checkpoint import CheckpointStore
 
     store = CheckpointStore(run_dir, drafter, keep=1)
-    return store.read_state(store.latest()).batches_per_epoch
+    return store.read_state(store.latest())
+
+
+def _batches_per_epoch(run_dir: Path, drafter: str) -> int:
+    return _final_state(run_dir, drafter).batches_per_epoch
 
 
 def _rank_pid(job: Job, run_dir: Path, rank: int) -> int:
