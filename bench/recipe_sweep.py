@@ -129,7 +129,8 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
     model.eval()
     bs = model.block_size
     accepted = torch.zeros(bs - 1)
-    blocks = steps = tokens = 0
+    blocks = 0
+    walks = []
     for j in idx:
         s = samples[j]
         anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
@@ -137,16 +138,21 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
         run = (hits.bool() & inputs.label_valid[:, :, 1:]).long().cumprod(-1)  # slots 1..k all right
         accepted += run[valid].sum(0).float()
         blocks += int(valid.sum())
-        # The decoding walk: the first anchor is the answer's first token (the prefill's output).
-        gained = dict(zip(anchors[valid].tolist(), run[valid].sum(-1).tolist()))
-        a = s.loss_mask.tolist().index(1)
-        while a in gained:
-            steps += 1
-            tokens += gained[a] + 1
-            a += gained[a] + 1
+        walks.append((s.loss_mask.tolist().index(1), dict(zip(anchors[valid].tolist(), run[valid].sum(-1).tolist()))))
     model.train()
     rates = (accepted / max(blocks, 1)).tolist()
-    return 1.0 + sum(rates), rates, tokens / max(steps, 1)
+    return 1.0 + sum(rates), rates, decoding_walk(walks)
+
+
+def decoding_walk(answers) -> float:
+    """Tokens a step when each answer is decoded from its first token (the prefill's output), each step
+    moving past the drafts accepted at its anchor and the target's own token. ``answers``: ``(first answer
+    position, {anchor: drafts accepted there})`` per answer."""
+    steps = tokens = 0
+    for a, accepted in answers:
+        while a in accepted:
+            steps, tokens, a = steps + 1, tokens + accepted[a] + 1, a + accepted[a] + 1
+    return tokens / max(steps, 1)
 
 
 @torch.no_grad()
@@ -176,13 +182,8 @@ def tree_accepts(tree, ranks: tuple[int, ...]) -> int:
 
 
 def tree_walk_tau(tree, answers) -> float:
-    """The decoding walk (as in :func:`heldout_acceptance`) when every step verifies ``tree``."""
-    steps = tokens = 0
-    for a, ranks in answers:
-        while a in ranks:
-            gained = tree_accepts(tree, ranks[a])
-            steps, tokens, a = steps + 1, tokens + gained + 1, a + gained + 1
-    return tokens / max(steps, 1)
+    """The decoding walk when every step verifies ``tree``."""
+    return decoding_walk([(a, {k: tree_accepts(tree, r) for k, r in ranks.items()}) for a, ranks in answers])
 
 
 def greedy_tree(answers, nodes: int, top: int, depth: int) -> list[tuple[int, ...]]:

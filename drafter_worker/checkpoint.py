@@ -193,10 +193,9 @@ class TrainerState:
 
 
 def _seconds(value) -> float:
-    seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    if not math.isfinite(seconds) or seconds < 0:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
         raise ValueError(f"train_seconds must be a finite number >= 0, got {value!r}")
-    return seconds
+    return float(value)
 
 
 def _why_unreadable(path: Path) -> str:
