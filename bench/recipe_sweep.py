@@ -36,7 +36,8 @@ from drafter_worker.model.dflash_model import (  # noqa: E402
     DFlashDrafter, _block_hidden, _weighted_slot_loss, build_block_inputs, build_target_layer_ids, init_feature_scale,
     init_logit_scale, make_drafter_config, sample_anchors)
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
-from target_server.capture import LayerCapture  # noqa: E402
+from drafter_worker.model.target_layers import copy_target_layers  # noqa: E402
+from target_server.capture import LayerCapture, decoder_layers  # noqa: E402
 from target_server.data import build_dataset, token_ranking  # noqa: E402
 from target_server.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id  # noqa: E402
 from tools.eval import evaluate, stop_token_ids  # noqa: E402
@@ -65,23 +66,6 @@ def capture_all(loaded, layer_ids, samples, batch_tokens: int = 1024):
 
 
 @torch.no_grad()
-def copy_target_layers(drafter, target, layers: list[int], layer_ids: list[int]) -> None:
-    """Start drafter layer j as a copy of target layer ``layers[j]``; fc reads the captured layer just below."""
-    from target_server.capture import decoder_layers
-    src = decoder_layers(target)
-    for j, lid in enumerate(layers):
-        own = drafter.layers[j].state_dict()
-        theirs = {k: v for k, v in src[lid].state_dict().items() if k in own}
-        drafter.layers[j].load_state_dict({**own, **theirs})
-    below = layers[0] - 1
-    if below in layer_ids:
-        h = drafter.config.hidden_size
-        slot = layer_ids.index(below)
-        drafter.fc.weight.zero_()
-        drafter.fc.weight[:, slot * h:(slot + 1) * h] = torch.eye(h)
-        drafter.hidden_norm.weight.copy_(src[layers[0]].input_layernorm.weight)
-
-
 def batches(samples, feats, rng: random.Random, seqs: int):
     """Endless random batches of ``seqs`` samples, padded to the longest (epoch by epoch)."""
     while True:
@@ -281,9 +265,6 @@ def main() -> int:
         name, _, sets = spec.partition(":")
         # ";" separates settings when a value is a list (layer_types=["a","b"]).
         kvs = [kv for kv in sets.split(";" if ";" in sets else ",") if kv]
-        # init.copy_layers=28+29: start the drafter's layers as copies of these target layers (experiment)
-        copy_layers = [int(x) for kv in kvs if kv.startswith("init.copy_layers=") for x in kv.split("=", 1)[1].split("+")]
-        kvs = [kv for kv in kvs if not kv.startswith("init.")]
         overrides = [f"drafter.{kv}" if not kv.startswith(("drafter.", "data.", "target.")) else kv for kv in kvs]
         full = load_config(args.config, [*args.overrides, *overrides])
         # The sweep's own budget (--steps or --minutes) sets the cosine, not the recipe's run length.
@@ -306,11 +287,11 @@ def main() -> int:
             ranked = ranking[: vcfg.draft_vocab_size]
             ranked += [t for t in range(loaded.vocab_size) if t not in set(ranked)][: vcfg.draft_vocab_size - len(ranked)]
             model.set_draft_vocab(ranked)
-        if copy_layers:
-            copy_target_layers(model, loaded.model, copy_layers, layer_ids)
+        fc_from_target = bool(vcfg.init_target_layers) and copy_target_layers(
+            model, decoder_layers(loaded.model), vcfg.init_target_layers, layer_ids)
         if vcfg.logit_std_init > 0:
             init_logit_scale(model, embed, head, vcfg.logit_std_init, seed=vcfg.seed)
-        if vcfg.feature_scale_init and not copy_layers:
+        if vcfg.feature_scale_init and not fc_from_target:
             f0, _, _, l0 = next(batches(trained_on, feats, random.Random(vcfg.seed + 1), 8))
             init_feature_scale(model, f0, l0)
         gen = torch.Generator().manual_seed(vcfg.seed)
@@ -355,7 +336,7 @@ def main() -> int:
         model.eval()
         report = (evaluate(loaded.model, model, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops)
                   if prompts else {"tau": float("nan"), "acceptance_rate": [], "speedup": float("nan")})
-        row = {"variant": name, "overrides": overrides, "layers": layer_ids, "copy_layers": copy_layers, "minutes": round(train_s / 60, 1), "steps": trainer.step,
+        row = {"variant": name, "overrides": overrides, "layers": layer_ids, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
                "heldout_tau": round(tf_tau, 3), "heldout_accept": [round(a, 3) for a in tf_accept],
                "heldout_walk_tau": round(walk_tau, 3), "walk_tau_of_eval_prompts": walk_of_eval, "tree_walk_tau": trees,

@@ -223,6 +223,7 @@ class DrafterConfig:
     layer_types: list[str] = _doc("attention type of each drafter layer, 'full_attention' or 'sliding_attention' (num_layers entries); empty = all sliding_attention when sliding_window > 0, else all full_attention", default_factory=list)
     sliding_window: int = _doc("positions a sliding_attention layer sees: a slot at position p attends to keys at |p - k| < sliding_window (0 = no sliding layers; at least block_size)", 0)
     init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
+    init_target_layers: list[int] = _doc("start a fresh drafter's layers as copies of these target decoder layers (layer j from the j-th id; the rest stay random), its fc reading the captured layer just below the first one when target.target_layer_ids has it; the drafter loads target.model on its own host for them, once. Empty = a random start", default_factory=list)
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
     distill_weight: float = _doc("weight of the soft-target loss against the target's own next-token distribution (knowledge distillation; 0 = hard labels only): loss = (1 - w) * hard + w * soft. Needs the target to capture its last layer (target.target_layer_ids ending with it)", 0.0)
     loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA for up to 2,048 scored rows a call, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
@@ -257,6 +258,12 @@ class DrafterConfig:
         _require(1 <= self.steps_per_batch <= 64, "drafter.steps_per_batch", "must be in [1, 64]", self.steps_per_batch)
         _require(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", "must be >= 0", self.draft_vocab_size)
         self._check_attention_layers()
+        _require(all(type(i) is int and i >= 0 for i in self.init_target_layers), "drafter.init_target_layers",
+                 "must hold target layer indices >= 0", self.init_target_layers)
+        _require(len(self.init_target_layers) <= self.num_layers, "drafter.init_target_layers",
+                 f"names more layers than drafter.num_layers = {self.num_layers}", self.init_target_layers)
+        _require(not (self.init_target_layers and self.init_from), "drafter.init_target_layers",
+                 "and drafter.init_from are two starting points: set one of them", self.init_target_layers)
         _require(self.loss_gamma > 0, "drafter.loss_gamma", "must be > 0", self.loss_gamma)
         _require(self.loss_impl in ("auto", "triton", "chunked", "torch"), "drafter.loss_impl",
                  "must be auto, triton, chunked or torch", self.loss_impl)

@@ -14,10 +14,11 @@ import os
 import torch
 
 from common import protocol as P
-from common.config import DrafterConfig
+from common.config import DrafterConfig, TargetConfig
 from drafter_worker.checkpoint import Coverage, InitFromError, TrainerState, load_init_from
 from drafter_worker.connection import FatalError, TargetUnavailable
 from drafter_worker.model.dflash_model import DFlashDrafter, make_drafter_config, resolve_layer_types
+from drafter_worker.model.target_layers import copy_target_layers
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,45 @@ def teacher_norm(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) 
             f"{welcome.target_layer_ids}) and have a final RMSNorm ({'sent' if welcome.final_norm_weight else 'none'})")
     weight = torch.tensor(welcome.final_norm_weight, dtype=torch.float32, device=device)
     return weight, float(welcome.target_arch.rms_norm_eps)
+
+
+def copy_target_layers_into(model: DFlashDrafter, target_cfg: TargetConfig, dcfg: DrafterConfig,
+                            welcome: P.Welcome) -> bool:
+    """``drafter.init_target_layers``: load ``target.model`` on this host and copy those layers into the fresh
+    ``model``; returns whether ``fc`` now passes the captured layer below them through (no feature scaling then).
+    The loaded model must be the one the target serves: same depth, sizes and final norm."""
+    # Only this start needs the target's own weights, and only here: the drafter otherwise gets all it needs at WELCOME.
+    from target_server.capture import decoder_layers
+    from target_server.model_loader import ModelLoadError, final_norm_weight, load_target
+
+    layers = list(dcfg.init_target_layers)
+    what = f"drafter.init_target_layers = {layers}"
+    beyond = [i for i in layers if i >= welcome.num_target_layers]
+    if beyond:
+        raise FatalError(f"{what}: the target has {welcome.num_target_layers} layers, no layer {beyond[0]}")
+    try:
+        loaded = load_target(target_cfg.model, tokenizer_source=target_cfg.tokenizer or None)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        raise FatalError(f"{what} needs target.model = {target_cfg.model!r} on the drafter's host: {exc}") from None
+    ours = (loaded.num_layers, loaded.hidden_size, loaded.vocab_size)
+    theirs = (welcome.num_target_layers, welcome.hidden_size, welcome.vocab_size)
+    norm = final_norm_weight(loaded.model)
+    same_norm = not welcome.final_norm_weight or (norm is not None and torch.allclose(
+        norm[0].float(), torch.tensor(welcome.final_norm_weight), rtol=0, atol=1e-6))
+    if ours != theirs or not same_norm:
+        raise FatalError(f"{what}: target.model = {target_cfg.model!r} here is not the model the target serves "
+                         f"(layers, hidden, vocabulary {ours} vs {theirs}"
+                         f"{'' if same_norm else '; another final norm'})")
+    device = next(model.parameters()).device
+    try:
+        fc_set = copy_target_layers(model.cpu(), decoder_layers(loaded.model), layers, welcome.target_layer_ids)
+    except ValueError as exc:
+        raise FatalError(f"{what}: {exc}") from None
+    finally:
+        model.to(device)
+    below = f"; fc reads captured layer {layers[0] - 1} through" if fc_set else ""
+    logger.info("[model] drafter %s starts its layers as copies of target layers %s%s", dcfg.id, layers, below)
+    return fc_set
 
 
 def init_from_path(dcfg: DrafterConfig) -> str:

@@ -171,6 +171,7 @@ class DrafterWorker:
         self._zero_batch: tuple | None = None  # views of an all-padding batch, for zero-gradient steps
         self._fresh_model = False  # built this run (not resumed): its logit scale is set once the LM head arrives
         self._scale_features = False  # a fresh model's fc is scaled on its first batch (drafter.feature_scale_init)
+        self._fc_from_target = False  # drafter.init_target_layers set fc to pass a captured layer through
         self._buffers: dict[int, list[tuple[torch.Tensor, object]]] = {}  # free receive buffers per bucket
         self._layouts: dict[int, BatchLayout] = {}
         self._pending: _Received | None = None
@@ -533,6 +534,9 @@ class DrafterWorker:
                 model = model_setup.model_from_init(self.dcfg, welcome, self.device)
             else:
                 model = model_setup.fresh_model(self.dcfg, welcome, self.device)
+                if self.dcfg.init_target_layers:
+                    self._fc_from_target = model_setup.copy_target_layers_into(model, self.cfg.target, self.dcfg,
+                                                                                welcome)
                 self._fresh_model = True
             optimizer = make_optimizer(self.dcfg, model)
             self.state = model_setup.new_state(self.dcfg, welcome, model_setup.init_from_path(self.dcfg))
@@ -597,7 +601,8 @@ class DrafterWorker:
                                       self.dcfg.logit_std_init, seed=self.dcfg.seed)
             logger.info("[model] final norm scaled by %.4f: initial draft logits have std %.2f over the vocabulary",
                         factor, self.dcfg.logit_std_init)
-        self._scale_features = self.dcfg.feature_scale_init
+        # An fc that passes a target layer through to copied target layers keeps that layer's scale.
+        self._scale_features = self.dcfg.feature_scale_init and not self._fc_from_target
         self._fresh_model = False
 
     def _post_receive(self, link: ReplicaLink, msg: P.Batch) -> None:
