@@ -37,7 +37,7 @@ from benchlib import median, write_json
 
 from common.layer_ids import build_target_layer_ids  # noqa: E402
 from target_server.capture import LayerCapture  # noqa: E402
-from target_server.model_loader import ModelLoadError, load_target  # noqa: E402
+from common.model_loader import ModelLoadError, load_target  # noqa: E402
 
 
 def load(model: str, tmp: Path) -> tuple[Any, str, str]:

@@ -43,7 +43,7 @@ from common.config import load_config  # noqa: E402
 from drafter_worker.model.dflash_model import build_target_layer_ids  # noqa: E402
 from target_server.data import token_ranking  # noqa: E402
 from drafter_worker.model.distill_loss import teacher_hidden  # noqa: E402
-from target_server.model_loader import embedding_weights, final_norm_weight, load_target  # noqa: E402
+from common.model_loader import embedding_weights, final_norm_weight, load_target  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from recipe_sweep import capture_all, feature_cache_path, sweep_dataset  # noqa: E402  (same data and feature cache)

@@ -66,7 +66,7 @@ class Target:
 
 
 def smollm2(device: torch.device, dtype: torch.dtype) -> Target:
-    from target_server.model_loader import load_target
+    from common.model_loader import load_target
 
     loaded = load_target("smollm2", device=str(device), dtype=dtype)
     return Target("smollm2", loaded.model, loaded.config, loaded.num_layers, loaded.hidden_size, loaded.vocab_size)

@@ -96,7 +96,7 @@ class Alone:
         from target_server.bucketing import BatchPlan, BucketSpec, pack_batch
         from target_server.capture import LayerCapture
         from target_server.data import build_dataset
-        from target_server.model_loader import embedding_weights, load_target
+        from common.model_loader import embedding_weights, load_target
 
         loaded = load_target(cfg.target.model)
         layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)

@@ -37,9 +37,10 @@ from drafter_worker.model.dflash_model import (  # noqa: E402
     init_logit_scale, make_drafter_config, sample_anchors)
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
 from drafter_worker.model.target_layers import copy_target_layers  # noqa: E402
-from target_server.capture import LayerCapture, decoder_layers  # noqa: E402
+from target_server.capture import LayerCapture  # noqa: E402
 from target_server.data import build_dataset, token_ranking  # noqa: E402
-from target_server.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id  # noqa: E402
+from common.model_loader import (  # noqa: E402
+    decoder_layers, embedding_weights, final_norm_weight, load_target, pick_mask_token_id)
 from tools.eval import evaluate, stop_token_ids  # noqa: E402
 
 

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from target_server.model_loader import load_target  # noqa: E402
+from common.model_loader import load_target  # noqa: E402
 from tools.regen import _stop_ids, answer_batch, read_prompts  # noqa: E402
 
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from drafter_worker.model.dflash_model import load_drafter  # noqa: E402
-from target_server.model_loader import embedding_weights, load_target  # noqa: E402
+from common.model_loader import embedding_weights, load_target  # noqa: E402
 from tools.small_linears import small_row_linears  # noqa: E402
 from tools.speculative import DFlashProposer, _new_cache, _target_forward, crop_cache, target_features  # noqa: E402
 

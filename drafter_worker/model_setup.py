@@ -130,19 +130,21 @@ def teacher_norm(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) 
 
 
 def copy_target_layers_into(model: DFlashDrafter, target_cfg: TargetConfig, dcfg: DrafterConfig,
-                            welcome: P.Welcome) -> bool:
+                            welcome: P.Welcome, *, load: bool = True) -> bool:
     """``drafter.init_target_layers``: load ``target.model`` on this host and copy those layers into the fresh
     ``model``; returns whether ``fc`` now passes the captured layer below them through (no feature scaling then).
-    The loaded model must be the one the target serves: same depth, sizes and final norm."""
-    # Only this start needs the target's own weights, and only here: the drafter otherwise gets all it needs at WELCOME.
-    from target_server.capture import decoder_layers
-    from target_server.model_loader import ModelLoadError, final_norm_weight, load_target
+    The loaded model must be the one the target serves: same depth, sizes and final norm. With ``load=False``
+    (ranks other than 0, which DDP's first round gives rank 0's weights) only the checks and the answer."""
+    # Only this start needs the target's own weights: the drafter otherwise gets all it needs at WELCOME.
+    from common.model_loader import ModelLoadError, decoder_layers, final_norm_weight, load_target
 
     layers = list(dcfg.init_target_layers)
     what = f"drafter.init_target_layers = {layers}"
     beyond = [i for i in layers if i >= welcome.num_target_layers]
     if beyond:
         raise FatalError(f"{what}: the target has {welcome.num_target_layers} layers, no layer {beyond[0]}")
+    if not load:
+        return layers[0] - 1 in welcome.target_layer_ids
     try:
         loaded = load_target(target_cfg.model, tokenizer_source=target_cfg.tokenizer or None)
     except (ModelLoadError, OSError, ValueError) as exc:

@@ -535,8 +535,9 @@ class DrafterWorker:
             else:
                 model = model_setup.fresh_model(self.dcfg, welcome, self.device)
                 if self.dcfg.init_target_layers:
-                    self._fc_from_target = model_setup.copy_target_layers_into(model, self.cfg.target, self.dcfg,
-                                                                                welcome)
+                    # Rank 0 loads the target's layers; DDP's first round hands its weights to the other ranks.
+                    self._fc_from_target = model_setup.copy_target_layers_into(
+                        model, self.cfg.target, self.dcfg, welcome, load=self.rank == 0)
                 self._fresh_model = True
             optimizer = make_optimizer(self.dcfg, model)
             self.state = model_setup.new_state(self.dcfg, welcome, model_setup.init_from_path(self.dcfg))

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported after logging is set up: torch/transformers take a few seconds.
     from target_server.data import DataError
-    from target_server.model_loader import ModelLoadError
+    from common.model_loader import ModelLoadError
     from target_server.server import StartupError, TargetServer
 
     server = TargetServer(cfg)

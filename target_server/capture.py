@@ -12,18 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.model_loader import decoder_layers
+
 
 class _StopForward(Exception):
     pass
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer stack of a transformers causal LM (Llama, Qwen, Mistral, ...)."""
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
-    return layers
 
 
 class LayerCapture:

@@ -47,7 +47,7 @@ from target_server.coordinator import Admission, Coordinator
 from target_server.data import build_dataset, fingerprint, token_ranking
 from target_server.data_plane import DataPlane, Endpoint, make_data_plane
 from target_server.feature_cache import FeatureCache
-from target_server.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id
+from common.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
 
 logger = logging.getLogger(__name__)

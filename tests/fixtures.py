@@ -29,7 +29,7 @@ from tests.ports import free_ports
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     """The SmolLM2 tokenizer (vocab 49152) the tiny targets use, loaded once per process."""
-    from target_server.model_loader import load_tokenizer
+    from common.model_loader import load_tokenizer
 
     return load_tokenizer("smollm2")
 

@@ -206,7 +206,7 @@ def evaluate(
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
 
     ``draft_tokens`` caps the drafts each step verifies (default: the whole block)."""
-    from target_server.model_loader import embedding_weights
+    from common.model_loader import embedding_weights
     from tools.small_linears import small_row_linears
     from tools.speculative import DFlashProposer
 
@@ -395,7 +395,7 @@ def _setup(args: argparse.Namespace):
     import torch
 
     from common.config import ConfigError, load_config
-    from target_server.model_loader import ModelLoadError, load_target
+    from common.model_loader import ModelLoadError, load_target
 
     config_path = args.run_dir / "config.toml"
     if not config_path.is_file():

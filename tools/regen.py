@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
-        from target_server.model_loader import ModelLoadError, load_target
+        from common.model_loader import ModelLoadError, load_target
 
         threads = args.threads if args.threads is not None else cfg.target.threads
         if threads:

@@ -10,8 +10,8 @@ import torch
 from common import protocol as P
 from common.config import ConfigError, load_config
 from drafter_worker.connection import FatalError
-from target_server.capture import decoder_layers
-from target_server.model_loader import final_norm_weight, load_target
+from common.model_loader import decoder_layers
+from common.model_loader import final_norm_weight, load_target
 from tests import messages
 
 # tests/fixtures.make_tiny_target: hidden 64, 6 layers, 4 query heads and 2 key/value heads of 16.
@@ -102,3 +102,17 @@ def test_a_target_model_that_is_not_the_served_one_is_refused(tmp_path, tiny_lla
 def test_init_target_layers_that_cannot_work_are_refused(setting, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, ["drafter.num_layers=2", *setting])
+
+
+def test_ranks_other_than_0_do_not_load_the_target(tmp_path, tiny_llama_dir):
+    # Rank 0's weights reach them at DDP's first round; they only need to know whether fc passes a layer through.
+    from drafter_worker import model_setup
+
+    target = load_target(str(tiny_llama_dir))
+    cfg = load_config(None, ['target.model="/nowhere/model"', "drafter.num_layers=2", "drafter.init_target_layers=[4, 5]"])
+    model = model_setup.fresh_model(cfg.drafter, welcome(target), torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model_setup.copy_target_layers_into(model, cfg.target, cfg.drafter, welcome(target), load=False) is True
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(FatalError, match="on the drafter's host"):
+        model_setup.copy_target_layers_into(model, cfg.target, cfg.drafter, welcome(target))

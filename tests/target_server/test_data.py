@@ -19,7 +19,7 @@ from target_server.data import (
     load_conversations,
     tokenize_conversation,
 )
-from target_server.model_loader import load_tokenizer
+from common.model_loader import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for target_server/model_loader.py: source resolution, loading, mask token."""
+"""Tests for common/model_loader.py: source resolution, loading, mask token."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from target_server.model_loader import (
+from common.model_loader import (
     SMOLLM2_GGUF,
     ModelLoadError,
     embedding_weights,
@@ -118,7 +118,7 @@ def test_resolve_rejects_empty_and_garbage():
 
 def test_load_tiny_llama_with_separate_tokenizer(tmp_path, tokenizer_dir, caplog):
     model_dir = tiny_llama_dir(tmp_path / "tiny")
-    with caplog.at_level(logging.INFO, logger="target_server.model_loader"):
+    with caplog.at_level(logging.INFO, logger="common.model_loader"):
         target = load_target(model_dir, tokenizer_source=tokenizer_dir)
     assert any("loaded" in r.getMessage() for r in caplog.records)
     assert target.model_id == "tiny"
@@ -183,7 +183,7 @@ def test_pick_mask_token_id_for_smollm2(smollm2_tokenizer):
 @pytest.mark.slow
 def test_load_real_smollm2_gguf(caplog):
     started = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="target_server.model_loader"):
+    with caplog.at_level(logging.INFO, logger="common.model_loader"):
         target = load_target("smollm2")
     elapsed = time.monotonic() - started
     logging.getLogger(__name__).info("SmolLM2 GGUF loaded in %.1fs", elapsed)

@@ -347,6 +347,15 @@ def embedding_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return embed_weight, head_weight, tied
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.torch.nn.ModuleList:
+    """The decoder layer stack of a transformers causal LM (Llama, Qwen, Mistral, ...)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
+    return layers
+
+
 def final_norm_weight(model: Any) -> tuple[torch.Tensor, float] | None:
     """``(weight [H], eps)`` of the RMSNorm a decoder-only LM applies after its last layer, or None.
 
