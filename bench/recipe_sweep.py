@@ -66,7 +66,6 @@ def capture_all(loaded, layer_ids, samples, batch_tokens: int = 1024):
     return out
 
 
-@torch.no_grad()
 def batches(samples, feats, rng: random.Random, seqs: int):
     """Endless random batches of ``seqs`` samples, padded to the longest (epoch by epoch)."""
     while True:
