@@ -158,13 +158,10 @@ def copy_target_layers_into(model: DFlashDrafter, target_cfg: TargetConfig, dcfg
         raise FatalError(f"{what}: target.model = {target_cfg.model!r} here is not the model the target serves "
                          f"(layers, hidden, vocabulary {ours} vs {theirs}"
                          f"{'' if same_norm else '; another final norm'})")
-    device = next(model.parameters()).device
-    try:
-        fc_set = copy_target_layers(model.cpu(), decoder_layers(loaded.model), layers, welcome.target_layer_ids)
+    try:  # copies from the host model into the drafter's device, once at start-up
+        fc_set = copy_target_layers(model, decoder_layers(loaded.model), layers, welcome.target_layer_ids)
     except ValueError as exc:
         raise FatalError(f"{what}: {exc}") from None
-    finally:
-        model.to(device)
     below = f"; fc reads captured layer {layers[0] - 1} through" if fc_set else ""
     logger.info("[model] drafter %s starts its layers as copies of target layers %s%s", dcfg.id, layers, below)
     return fc_set

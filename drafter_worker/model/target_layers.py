@@ -56,6 +56,6 @@ def copy_target_layers(drafter: nn.Module, target_layers: nn.ModuleList, layers:
     hidden = drafter.config.hidden_size
     slot = list(target_layer_ids).index(below)
     drafter.fc.weight.zero_()
-    drafter.fc.weight[:, slot * hidden:(slot + 1) * hidden] = torch.eye(hidden)
+    drafter.fc.weight[:, slot * hidden:(slot + 1) * hidden] = torch.eye(hidden, device=drafter.fc.weight.device)
     drafter.hidden_norm.weight.copy_(target_layers[layers[0]].input_layernorm.weight)
     return True
