@@ -347,11 +347,11 @@ def embedding_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return embed_weight, head_weight, tied
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.torch.nn.ModuleList:
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layer stack of a transformers causal LM (Llama, Qwen, Mistral, ...)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.torch.nn.ModuleList):
+    if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
     return layers
 
