@@ -87,17 +87,19 @@ def batches(samples, feats, rng: random.Random, seqs: int):
             yield f, ids, mask, lens
 
 
-def _every_anchor(model, sample, sample_feats, embed):
-    """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden states)``."""
+def _every_anchor(model, sample, sample_feats, embed, reveal: int = 0):
+    """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden states)``.
+    ``reveal``: each block shows its first this many draft slots' true tokens (a later denoising pass)."""
     ids, mask, lens = sample.input_ids.long()[None], sample.loss_mask[None], torch.tensor([len(sample)])
     anchors, valid = sample_anchors(mask, lens, len(sample))
     inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors, anchor_valid=valid,
-                                block_size=model.block_size, mask_token_id=model.mask_token_id)
+                                block_size=model.block_size, mask_token_id=model.mask_token_id,
+                                reveal=torch.full_like(anchors, reveal) if reveal else None)
     return anchors, valid, inputs, _block_hidden(model, inputs, sample_feats[None], embed, anchors)
 
 
 @torch.no_grad()
-def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, list[float], float]:
+def heldout_acceptance(model, samples, feats, embed, head, idx, passes: int = 1) -> tuple[float, list[float], float]:
     """Teacher-forced tau on the samples ``idx``: every eligible anchor of every sample, drafted once.
 
     On the target's own greedy answers a drafter's context at an anchor is exactly what speculative
@@ -108,7 +110,9 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
     drafts and the target's own token), which weighs the positions as decoding visits them (hard
     stretches take more steps) and is exact for greedy decoding of these answers, without the noise
     of timing a few hundred steps. A block running past the end of its answer counts its missing
-    slots as rejected.
+    slots as rejected. ``passes`` > 1 drafts each block in that many denoising passes, pass i fixing
+    slot i + 1 (the last pass all the rest): the true tokens stand in for the earlier passes' drafts,
+    exact for every draft that can still be accepted.
     """
     model.eval()
     bs = model.block_size
@@ -118,8 +122,13 @@ def heldout_acceptance(model, samples, feats, embed, head, idx) -> tuple[float, 
     for j in idx:
         s = samples[j]
         anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
+        label_valid = inputs.label_valid[:, :, 1:]
         _, hits = _weighted_slot_loss(model, hidden, inputs, head, 1.0, "auto")
-        run = (hits.bool() & inputs.label_valid[:, :, 1:]).long().cumprod(-1)  # slots 1..k all right
+        for r in range(1, min(passes, bs - 1)):
+            _, _, later, later_hidden = _every_anchor(model, s, feats[j], embed, reveal=r)
+            _, later_hits = _weighted_slot_loss(model, later_hidden, later, head, 1.0, "auto")
+            hits[:, :, r:] = later_hits[:, :, r:]
+        run = (hits.bool() & label_valid).long().cumprod(-1)  # slots 1..k all right
         accepted += run[valid].sum(0).float()
         blocks += int(valid.sum())
         walks.append((s.loss_mask.tolist().index(1), dict(zip(anchors[valid].tolist(), run[valid].sum(-1).tolist()))))
@@ -222,6 +231,8 @@ def main() -> int:
     p.add_argument("--tree-nodes", default="",
                    help="also score verification trees of these many drafts (e.g. 3,8,12): built on the first half "
                         "of the --holdout answers from the per-slot ranks of the right tokens, walked on the second")
+    p.add_argument("--denoise-passes", type=int, default=1,
+                   help="also score the decoding walk with blocks drafted in this many denoising passes")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
     p.add_argument("--feature-dir", default="/tmp/dflash-sweep", help="captured features are kept here between runs")
@@ -320,6 +331,10 @@ def main() -> int:
                 losses.append(v["loss_sum"][0] / max(v["finite_steps"][0], 1))
         train_s = time.monotonic() - start
         tf_tau, tf_accept, walk_tau = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)))
+        denoised = {}
+        for passes in range(2, args.denoise_passes + 1):
+            _, accept_p, walk_p = heldout_acceptance(model, ds.train, feats, embed, head, range(n_train, len(ds.train)), passes)
+            denoised[str(passes)] = {"walk_tau": round(walk_p, 3), "accept": [round(a, 3) for a in accept_p]}
         trees = {}
         if args.tree_nodes:
             answers = slot_ranks(model, ds.train, feats, embed, head, range(n_train, len(ds.train)), top=8)
@@ -339,7 +354,7 @@ def main() -> int:
         row = {"variant": name, "overrides": overrides, "layers": layer_ids, "minutes": round(train_s / 60, 1), "steps": trainer.step,
                "blocks": blocks, "train_s": round(train_s), "loss_last": losses[-1] if losses else None,
                "heldout_tau": round(tf_tau, 3), "heldout_accept": [round(a, 3) for a in tf_accept],
-               "heldout_walk_tau": round(walk_tau, 3), "walk_tau_of_eval_prompts": walk_of_eval, "tree_walk_tau": trees,
+               "heldout_walk_tau": round(walk_tau, 3), "denoised": denoised, "walk_tau_of_eval_prompts": walk_of_eval, "tree_walk_tau": trees,
                "tau": round(report["tau"], 3), "accept": [round(a, 3) for a in report["acceptance_rate"]],
                "speedup": round(report["speedup"], 3), "samples": len(ds.train),
                "train_samples": len(trained_on)}

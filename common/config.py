@@ -225,6 +225,8 @@ class DrafterConfig:
     init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
     init_target_layers: list[int] = _doc("start a fresh drafter's layers as copies of these target decoder layers (layer j from the j-th id; the rest stay random), its fc reading the captured layer just below the first one when target.target_layer_ids has it; the drafter loads target.model on its own host for them, once. Empty = a random start", default_factory=list)
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
+    reveal_fraction: float = _doc("fraction of training blocks that show the true tokens of a random prefix of their draft slots (1..block_size-2 of them) and learn only the slots after it: what a later denoising pass sees (drafter.denoise_passes)", 0.0)
+    denoise_passes: int = _doc("drafting passes a block takes when decoding (saved in the drafter's config; dflash-eval --denoise-passes overrides it): pass i fixes draft slot i + 1 and shows it to the next pass, the last pass drafts all the slots left. 1 is DFlash's single parallel pass; more pays only for a drafter trained with drafter.reveal_fraction > 0", 1)
     distill_weight: float = _doc("weight of the soft-target loss against the target's own next-token distribution (knowledge distillation; 0 = hard labels only): loss = (1 - w) * hard + w * soft. Needs the target to capture its last layer (target.target_layer_ids ending with it)", 0.0)
     loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA for up to 2,048 scored rows a call, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
     learning_rate: float = _doc("peak AdamW learning rate", 6e-4)
@@ -252,6 +254,9 @@ class DrafterConfig:
         _require(self.matmul_precision in ("highest", "high", "medium"), "drafter.matmul_precision",
                  "must be highest, high or medium", self.matmul_precision)
         _require(self.block_size >= 2, "drafter.block_size", "must be >= 2", self.block_size)
+        _require(0.0 <= self.reveal_fraction <= 1.0, "drafter.reveal_fraction", "must be in [0, 1]", self.reveal_fraction)
+        _require(1 <= self.denoise_passes <= max(1, self.block_size - 1), "drafter.denoise_passes",
+                 f"must be in 1..block_size - 1 = {self.block_size - 1}", self.denoise_passes)
         _require(0.0 <= self.distill_weight <= 1.0, "drafter.distill_weight", "must be in [0, 1]", self.distill_weight)
         _require(self.num_key_value_heads >= 0, "drafter.num_key_value_heads", "must be >= 0", self.num_key_value_heads)
         _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)

@@ -71,6 +71,7 @@ def fresh_model(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) -
         draft_vocab_size=min(dcfg.draft_vocab_size, welcome.vocab_size),
         layer_types=dcfg.layer_types,
         sliding_window=dcfg.sliding_window,
+        denoise_passes=dcfg.denoise_passes,
     )
     torch.manual_seed(dcfg.seed)
     model = DFlashDrafter(config).to(device)

@@ -146,6 +146,7 @@ class DrafterTrainer:
             generator=self.generator,
             distill_weight=self.cfg.distill_weight,
             teacher_norm=self.teacher_norm,
+            reveal_fraction=self.cfg.reveal_fraction,
         )
         (out.loss if contribute else out.loss * 0.0).backward()
         # Returns the pre-clip norm as a device tensor; clipping itself is a device op.

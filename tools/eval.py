@@ -202,10 +202,12 @@ def evaluate(
     seed: int = 0,
     baseline: bool = True,
     draft_tokens: int | None = None,
+    denoise_passes: int | None = None,
 ) -> dict[str, Any]:
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
 
-    ``draft_tokens`` caps the drafts each step verifies (default: the whole block)."""
+    ``draft_tokens`` caps the drafts each step verifies (default: the whole block); ``denoise_passes``
+    sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``)."""
     from common.model_loader import embedding_weights
     from tools.small_linears import small_row_linears
     from tools.speculative import DFlashProposer
@@ -217,7 +219,7 @@ def evaluate(
                         f"{drafter.target_layer_ids}) does not fit the target (vocabulary {embed.shape[0]}, "
                         f"{num_layers} layers): it was trained for another target")
     try:
-        proposer = DFlashProposer(drafter, embed, head)
+        proposer = DFlashProposer(drafter, embed, head, denoise_passes)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     if draft_tokens is None:
@@ -282,6 +284,7 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         "temperature": temperature,
         "block_size": proposer.block_size,
         "draft_tokens": draft_tokens,
+        "denoise_passes": proposer.denoise_passes,
         "tau": stats.tau,
         "tau_per_prompt": [row["tau"] for row in per_prompt],
         "acceptance_rate": stats.acceptance_rate(),
@@ -328,7 +331,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"=== DFlash eval: {report['run']} drafter {report['drafter']} step {report['step']} ===",
         f"  target: {report['target']}  prompts: {report['num_prompts']} ({report['prompt_source']})  "
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
-        f"  tau: {report['tau']:.3f} tokens/step (block size {report['block_size']}; "
+        f"  tau: {report['tau']:.3f} tokens/step (block size {report['block_size']}, "
+        f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}; "
         f"per prompt min {min(report['tau_per_prompt']):.2f} max {max(report['tau_per_prompt']):.2f})",
         "  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
         f"  acceptance rate by block position 1..{report['block_size'] - 1}: {rates}",
@@ -360,6 +364,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--draft-tokens", type=int, help="drafts the target verifies per step (default: block size - 1); "
                    "fewer cost less to verify where later positions are rarely accepted")
+    p.add_argument("--denoise-passes", type=int, help="drafting passes a block takes (default: the drafter's "
+                   "own, set by drafter.denoise_passes in training); 1 drafts the block in one parallel pass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
@@ -440,7 +446,8 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     drafter = _load_drafter(path, loaded.model)
     started = time.monotonic()
     report = evaluate(loaded.model, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
-                      temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens)
+                      temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens,
+                      denoise_passes=args.denoise_passes)
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),

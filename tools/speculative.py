@@ -5,7 +5,8 @@ One draft-and-verify step (batch size 1):
 1. The proposer drafts up to ``block_size - 1`` tokens after the anchor (the
    last token the target produced, not yet in the target's KV cache). A DFlash
    drafter does it in one pass over a block ``[anchor, mask, mask, ...]``,
-   conditioned on the target features of every position before the anchor.
+   conditioned on the target features of every position before the anchor
+   (or in a few denoising passes, each showing the next one a fixed draft).
 2. The target runs once over ``[anchor, draft_1, ..., draft_n]`` with its KV
    cache and returns logits (and the captured layers' hidden states).
 3. The longest prefix of drafts the target agrees with is accepted (greedy:
@@ -389,14 +390,21 @@ def plain_generate(
 
 
 class DFlashProposer:
-    """Drafts a block in one :class:`DFlashDrafter` pass.
+    """Drafts a block in :class:`DFlashDrafter` passes (one, unless the drafter denoises in several).
 
     The drafter reads the target's frozen token embedding (for the block
     ``[anchor, mask, ...]``) and LM head (for the draft logits); it keeps the
     context keys/values of the current sequence in a :class:`DraftContextCache`.
+    With ``denoise_passes`` p > 1 (default: the drafter's own, ``drafter.denoise_passes``
+    when it was trained), pass i fixes draft slot i + 1 to its argmax and the next pass
+    sees that token in place of the mask; the last pass drafts every slot left. Each
+    slot's returned logits are those of the pass that fixed it, so greedy verification
+    is exact, and sampled verification stays exact too (each draft is still drawn from
+    the logits reported for it; only the later passes condition on the argmax).
     """
 
-    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 denoise_passes: int | None = None) -> None:
         if embed_weight.shape[1] != drafter.config.hidden_size:
             raise ValueError(f"the target's hidden size {embed_weight.shape[1]} != the drafter's "
                              f"{drafter.config.hidden_size}: this drafter was trained for another target")
@@ -407,6 +415,11 @@ class DFlashProposer:
         self._draft_head, _, _ = drafter.head_and_labels(lm_head_weight)
         self._draft_vocab = drafter.draft_vocab.to(lm_head_weight.device) if drafter.draft_vocab_size else None
         self.block_size = drafter.block_size
+        passes = int(getattr(drafter, "denoise_passes", 1) if denoise_passes is None else denoise_passes)
+        if not 1 <= passes <= self.block_size - 1:
+            raise ValueError(f"denoise_passes must be in 1..{self.block_size - 1} for a block of {self.block_size}, "
+                             f"got {passes}")
+        self.denoise_passes = passes
         self.layer_ids: list[int] | None = list(drafter.target_layer_ids)
         self.cache = DraftContextCache(len(drafter.layers))
 
@@ -425,14 +438,33 @@ class DFlashProposer:
         device = self.drafter.fc.weight.device
         block = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
-        noise = F.embedding(block, self.embed_weight.to(device)).to(dtype)
+        features = features.to(device=device, dtype=dtype)
         # Always the full block the drafter was trained on, even when fewer drafts are needed.
         positions = torch.arange(start - ctx_new, start + self.block_size, device=device)[None]
-        hidden = self.drafter(features.to(device=device, dtype=dtype), noise, positions, None, context_cache=self.cache)
+        logits = self._pass(features, block, positions, 0, num_draft)
+        for fixed in range(1, min(self.denoise_passes, num_draft)):
+            # The context is cached now: later passes feed only the block, with slot `fixed` shown.
+            block[0, fixed] = self._token(logits[fixed - 1])
+            later = self._pass(features[:, :0], block, positions[:, ctx_new:], fixed, num_draft)
+            logits = torch.cat([logits[:fixed], later])
+        return self._full_vocab(logits)
+
+    def _pass(self, features: torch.Tensor, block: torch.Tensor, positions: torch.Tensor, first: int,
+              num_draft: int) -> torch.Tensor:
+        """Draft logits of slots ``first + 1 .. num_draft`` from one drafter pass over ``block``."""
+        noise = F.embedding(block, self.embed_weight.to(block.device)).to(features.dtype)
+        hidden = self.drafter(features, noise, positions, None, context_cache=self.cache)
         head = self._draft_head
-        drafts = hidden[0, 1 : 1 + num_draft].to(device=head.device, dtype=head.dtype)
+        drafts = hidden[0, 1 + first : 1 + num_draft].to(device=head.device, dtype=head.dtype)
         # The few rows of a block: F.linear's CPU GEMM is 2-4x slower there (tools/small_linears.py).
-        logits = small_row_linear(drafts, head, None)
+        return small_row_linear(drafts, head, None)
+
+    def _token(self, row: torch.Tensor) -> int:
+        """The target token id of a draft row's argmax."""
+        best = int(row.argmax())
+        return best if self._draft_vocab is None else int(self._draft_vocab[best])
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self._draft_vocab is None:
             return logits
         # A draft vocabulary: scores for its ids, -inf for every other target token.

@@ -151,6 +151,7 @@ def make_drafter_config(
     draft_vocab_size: int = 0,
     layer_types: Sequence[str] | None = None,
     sliding_window: int = 0,
+    denoise_passes: int = 1,
 ) -> Qwen3Config:
     """A ``Qwen3Config`` laid out like published DFlash draft checkpoints.
 
@@ -167,6 +168,8 @@ def make_drafter_config(
                                    target_layer_ids=target_layer_ids, block_size=block_size,
                                    mask_token_id=mask_token_id, draft_vocab_size=draft_vocab_size,
                                    rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+    if not _is_int(denoise_passes) or not 1 <= denoise_passes <= block_size - 1:
+        raise ValueError(f"denoise_passes must be an int in 1..block_size - 1 = {block_size - 1}, got {denoise_passes!r}")
     types = resolve_layer_types(num_hidden_layers, layer_types, sliding_window)
     config = Qwen3Config(**_qwen3_kwargs(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
@@ -176,6 +179,8 @@ def make_drafter_config(
     ))
     _set_dflash_attributes(config, block_size=block_size, num_target_layers=num_target_layers,
                            mask_token_id=mask_token_id, layer_ids=layer_ids, draft_vocab_size=draft_vocab_size)
+    if denoise_passes > 1:  # our decoding loop reads it; engines that do not know it draft in one pass
+        config.dflash_config["denoise_passes"] = denoise_passes
     return config
 
 
@@ -510,7 +515,8 @@ class BlockInputs:
     position_ids: torch.Tensor  # Long [B, T+Q]: 0..T-1 then a..a+bs-1 per block
     attention_mask: torch.Tensor  # Bool [B, 1, Q, T+Q]
     labels: torch.Tensor  # Long [B, N, bs]: input_ids[a+k] (clamped in range)
-    label_valid: torch.Tensor  # Bool [B, N, bs]: the label counts (slot 0 never)
+    label_valid: torch.Tensor  # Bool [B, N, bs]: the label counts (slot 0 and revealed slots never)
+    reveal: torch.Tensor | None = None  # Long [B, N]: slots 1..r hold their true tokens (None: none do)
 
 
 def build_block_inputs(
@@ -522,8 +528,12 @@ def build_block_inputs(
     anchor_valid: torch.Tensor,
     block_size: int,
     mask_token_id: int,
+    reveal: torch.Tensor | None = None,
 ) -> BlockInputs:
-    """Lay out the blocks of ``anchors`` as one query sequence per row."""
+    """Lay out the blocks of ``anchors`` as one query sequence per row.
+
+    ``reveal`` (Long [B, N]): block n shows the true tokens in its slots 1..reveal[n] instead of
+    masks and learns only the slots after them (a later denoising pass of the same block)."""
     bsz, seq = input_ids.shape
     num = anchors.shape[1]
     device = input_ids.device
@@ -534,6 +544,9 @@ def build_block_inputs(
     block_pos = anchors[:, :, None] + offsets  # [B, N, bs]
     block_ids = torch.full((bsz, num, block_size), mask_token_id, dtype=input_ids.dtype, device=device)
     block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    if reveal is not None:
+        shown = torch.gather(input_ids, 1, block_pos.clamp(max=seq - 1).reshape(bsz, q_len)).view(bsz, num, block_size)
+        block_ids = torch.where(offsets <= reveal[:, :, None], shown, block_ids)
     block_ids = block_ids.reshape(bsz, q_len)
 
     ctx_pos = torch.arange(seq, device=device).expand(bsz, seq)
@@ -558,12 +571,15 @@ def build_block_inputs(
         & anchor_valid[:, :, None].bool()
         & (offsets >= 1)  # slot 0 is the given anchor token
     )
+    if reveal is not None:
+        label_valid &= offsets > reveal[:, :, None]
     return BlockInputs(
         block_ids=block_ids,
         position_ids=position_ids,
         attention_mask=attention_mask,
         labels=labels,
         label_valid=label_valid,
+        reveal=reveal,
     )
 
 
@@ -580,6 +596,25 @@ def _slot_weights(block_size: int, loss_gamma: float, device: torch.device) -> t
     # Slot 0 holds the given anchor token: nothing to learn. masked_fill, not ``w[0] = 0.0``: on CUDA
     # that assignment copies a host scalar into device memory, a synchronizing copy on every step.
     return torch.exp(-(k - 1.0) / loss_gamma).masked_fill(k == 0, 0.0)
+
+
+def _block_slot_weights(blocks: BlockInputs, block_size: int, loss_gamma: float, device: torch.device) -> torch.Tensor:
+    """Slot weights ``[B, N, bs]`` of valid labels: exp(-(k-1-r)/gamma) after the r revealed slots."""
+    if blocks.reveal is None:
+        return _slot_weights(block_size, loss_gamma, device) * blocks.label_valid
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1.0 - blocks.reveal[:, :, None]) / loss_gamma) * blocks.label_valid
+
+
+def sample_reveal(anchors: torch.Tensor, block_size: int, fraction: float,
+                  generator: torch.Generator | None = None) -> torch.Tensor | None:
+    """Revealed prefix lengths ``[B, N]``: 1..block_size-2 for a ``fraction`` of the blocks, else 0."""
+    if fraction <= 0 or block_size < 3:
+        return None
+    shape, device = anchors.shape, anchors.device
+    picked = torch.rand(shape, device=device, generator=generator) < fraction
+    r = torch.randint(1, block_size - 1, shape, device=device, generator=generator)
+    return torch.where(picked, r, torch.zeros_like(r))
 
 
 def dflash_block_loss(
@@ -599,6 +634,7 @@ def dflash_block_loss(
     anchor_valid: torch.Tensor | None = None,
     distill_weight: float = 0.0,
     teacher_norm: tuple[torch.Tensor, float] | None = None,
+    reveal_fraction: float = 0.0,
 ) -> BlockLossOutput:
     """DFlash block-diffusion loss for one batch.
 
@@ -629,6 +665,7 @@ def dflash_block_loss(
         anchor_valid=anchor_valid,
         block_size=bs,
         mask_token_id=drafter.mask_token_id,
+        reveal=sample_reveal(anchors, bs, reveal_fraction, generator),
     )
     hidden = _block_hidden(drafter, blocks, features, embed_weight, anchors)
     if distill_weight > 0:
@@ -664,7 +701,7 @@ def _distilled_slot_loss(
     last = torch.gather(features[..., -width:], 1, pos.expand(-1, -1, width)).view(bsz, num, bs - 1, width)
     teacher = teacher_hidden(last, teacher_norm[0], teacher_norm[1])
     head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
-    soft = (_slot_weights(bs, float(loss_gamma), hidden.device) * blocks.label_valid)[:, :, 1:]
+    soft = _block_slot_weights(blocks, bs, float(loss_gamma), hidden.device)[:, :, 1:]
     hard = soft if in_vocab is None else soft * in_vocab
     hard = (1.0 - distill_weight) * hard / hard.sum().clamp(min=1e-6)
     soft = distill_weight * soft / soft.sum().clamp(min=1e-6)
@@ -729,7 +766,7 @@ def _weighted_slot_loss(
     never materialised; hits of tokens outside a draft vocabulary are zeroed.
     """
     head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
-    weights = _slot_weights(drafter.block_size, float(loss_gamma), hidden.device) * blocks.label_valid
+    weights = _block_slot_weights(blocks, drafter.block_size, float(loss_gamma), hidden.device)
     weights = weights[:, :, 1:] if in_vocab is None else weights[:, :, 1:] * in_vocab
     # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
     # Fused (drafter.loss_impl auto/chunked/triton): never builds the [N, V] logits.

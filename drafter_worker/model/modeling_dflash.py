@@ -122,6 +122,9 @@ def validate_config(config: Any) -> None:
         raise ValueError("config must define dflash_config.target_layer_ids")
     if draft_value(config, "mask_token_id") is None:
         raise ValueError("config must define dflash_config.mask_token_id")
+    passes, block = draft_value(config, "denoise_passes", 1), draft_value(config, "block_size", 16)
+    if not isinstance(passes, int) or isinstance(passes, bool) or not 1 <= passes <= max(1, int(block) - 1):
+        raise ValueError(f"dflash_config.denoise_passes must be an int in 1..block_size - 1, got {passes!r}")
     rope_theta(config)
 
 
@@ -389,6 +392,8 @@ class DFlashDraftMixin:
         self.target_layer_ids: list[int] = [int(i) for i in draft_value(config, "target_layer_ids")]
         self.block_size: int = int(draft_value(config, "block_size", 16))
         self.mask_token_id: int = int(draft_value(config, "mask_token_id"))
+        # Drafting passes per block when decoding (pass i fixes slot i + 1; 1 = one parallel pass).
+        self.denoise_passes: int = int(draft_value(config, "denoise_passes", 1) or 1)
         hidden = config.hidden_size
         # Optional draft vocabulary (as EAGLE-3's d2t): the drafter scores only these target
         # token ids, the ones its data uses most; a token outside it is never drafted.

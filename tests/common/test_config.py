@@ -236,6 +236,16 @@ def test_out_of_range_in_file_names_the_key(tmp_path):
         load_config(write(tmp_path, "[drafter]\nblock_size = 1\n"))
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["drafter.block_size=4", "drafter.denoise_passes=4"], "drafter.denoise_passes"),
+    (["drafter.denoise_passes=0"], "drafter.denoise_passes"),
+    (["drafter.reveal_fraction=1.5"], "drafter.reveal_fraction"),
+])
+def test_denoising_settings_out_of_range_are_refused(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
 def test_config_error_is_a_value_error():
     # Dataclass validation follows the STYLE rule: ValueError naming the dotted key.
     with pytest.raises(ValueError, match="drafter.num_layers"):

@@ -22,6 +22,7 @@ from drafter_worker.model.dflash_model import (
     load_drafter,
     make_drafter_config,
     sample_anchors,
+    sample_reveal,
     save_drafter,
 )
 
@@ -101,6 +102,8 @@ def test_target_layer_ids_bad_args(args):
         {"target_layer_ids": [1, 8]},
         {"target_layer_ids": []},
         {"block_size": 1},
+        {"denoise_passes": BLOCK},
+        {"denoise_passes": 0},
         {"head_dim": 15},
         {"hidden_size": 0},
     ],
@@ -454,6 +457,44 @@ def test_loss_counts_and_weights_by_hand():
     assert out.loss.requires_grad and not out.correct_per_pos.requires_grad
 
 
+def test_revealed_prefix_shows_true_tokens_and_trains_only_the_slots_after_it():
+    input_ids = torch.arange(10).view(1, 10) + 10
+    blocks = build_block_inputs(
+        input_ids=input_ids, loss_mask=torch.ones(1, 10, dtype=torch.bool), lengths=torch.tensor([10]),
+        anchors=torch.tensor([[3, 5]]), anchor_valid=torch.tensor([[True, True]]), block_size=BLOCK,
+        mask_token_id=MASK_ID, reveal=torch.tensor([[1, 2]]),
+    )
+    # Block 0 shows slot 1, block 1 slots 1 and 2; the masks stay where a later pass still drafts.
+    assert blocks.block_ids.tolist() == [[13, 14, MASK_ID, MASK_ID, 15, 16, 17, MASK_ID]]
+    assert blocks.label_valid.tolist() == [[[False, False, True, True], [False, False, False, True]]]
+
+
+def test_revealed_blocks_weigh_their_first_drafted_slot_as_slot_1():
+    model = tiny_drafter()
+    embed, lm_head = frozen_target_weights()
+    features, input_ids, loss_mask, lengths, anchors, anchor_valid = _hand_example()
+    gamma = 3.0
+    out = dflash_block_loss(
+        model, features=features, input_ids=input_ids, loss_mask=loss_mask, lengths=lengths, embed_weight=embed,
+        lm_head_weight=lm_head, loss_gamma=gamma, anchors=anchors, anchor_valid=anchor_valid, reveal_fraction=1.0,
+        generator=torch.Generator().manual_seed(4),
+    )
+    reveal = sample_reveal(anchors, BLOCK, 1.0, torch.Generator().manual_seed(4))
+    assert reveal.min() >= 1 and reveal.max() <= BLOCK - 2
+    blocks = build_block_inputs(input_ids=input_ids, loss_mask=loss_mask, lengths=lengths, anchors=anchors,
+                                anchor_valid=anchor_valid, block_size=BLOCK, mask_token_id=MASK_ID, reveal=reveal)
+    with torch.no_grad():
+        hidden = model(features, F.embedding(blocks.block_ids, embed), blocks.position_ids, blocks.attention_mask)
+    logits = (hidden @ lm_head.T).view(2, 2, BLOCK, VOCAB)
+    num = den = 0.0
+    for b, n, k in blocks.label_valid.nonzero().tolist():
+        w = math.exp(-(k - 1 - int(reveal[b, n])) / gamma)
+        num += w * F.cross_entropy(logits[b, n, k][None], input_ids[b, anchors[b, n] + k][None]).item()
+        den += w
+    assert den > 0 and out.loss.item() == pytest.approx(num / den, rel=1e-5)
+    assert out.num_tokens.item() == float(blocks.label_valid.sum())
+
+
 def test_slot_zero_has_no_weight():
     # A batch whose only valid label would be slot 0: nothing counts, loss is 0, no NaN.
     model = tiny_drafter()
@@ -576,6 +617,20 @@ def test_save_load_round_trip(tmp_path):
     out_a = _block_outputs(model, features, input_ids, anchors, torch.tensor([9]), embed)
     out_b = _block_outputs(loaded, features, input_ids, anchors, torch.tensor([9]), embed)
     assert torch.equal(out_a, out_b)
+
+
+def test_denoise_passes_travel_with_the_saved_drafter(tmp_path):
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config(denoise_passes=BLOCK - 1))
+    save_drafter(tmp_path, model)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["denoise_passes"] == BLOCK - 1
+    assert load_drafter(tmp_path).denoise_passes == BLOCK - 1
+    assert tiny_drafter().denoise_passes == 1  # not written: one pass, as every DFlash checkpoint
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["dflash_config"]["denoise_passes"] = BLOCK
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="denoise_passes"):
+        load_drafter(tmp_path)
 
 
 def test_load_rejects_mismatched_weights(tmp_path):

@@ -217,3 +217,61 @@ def test_rejection_sampling_keeps_the_target_distribution():
         accepted, correction = _verify_sampled([d], q[None], target_logits, 1.0, gen)
         counts[d if accepted == 1 else correction] += 1
     torch.testing.assert_close(counts / trials, p, rtol=0, atol=0.04)
+
+
+def make_denoising_drafter(passes: int) -> DFlashDrafter:
+    config = make_drafter_config(
+        hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+        num_hidden_layers=2, num_target_layers=LAYERS, target_layer_ids=build_target_layer_ids(LAYERS, 2),
+        block_size=BLOCK, mask_token_id=VOCAB - 1, denoise_passes=passes, draft_vocab_size=128,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=BLOCK,
+    )
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(config).eval()
+    drafter.set_draft_vocab(list(range(VOCAB - 1, VOCAB - 129, -1)))
+    return drafter
+
+
+def test_denoising_passes_show_each_fixed_draft_to_the_next_pass(target):
+    # Pass i fixes slot i + 1 to its argmax: every slot's logits must equal an uncached pass over the
+    # whole context and the block with the earlier slots' drafts in place of their masks (what training
+    # shows with drafter.reveal_fraction), through the sliding window and the draft vocabulary alike.
+    drafter = make_denoising_drafter(passes=BLOCK - 1)
+    proposer = dflash_proposer(target, drafter)
+    assert proposer.denoise_passes == BLOCK - 1  # the drafter's own setting is the default
+    calls = []
+    inner = proposer.propose
+
+    def logged(features, anchor, start, num_draft):
+        logits = inner(features, anchor, start, num_draft)
+        calls.append((anchor, start, logits))
+        return logits
+
+    proposer.propose = logged
+    prompt = PROMPTS[2]
+    spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
+    assert spec.tokens == plain_generate(target, prompt, max_new_tokens=17).tokens
+    sequence = prompt + spec.tokens
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    rows = head[drafter.draft_vocab]
+    with torch.no_grad():
+        features = target_features(target(torch.tensor([sequence]), output_hidden_states=True).hidden_states,
+                                   drafter.target_layer_ids)
+        assert len(calls) >= 3 and any(logits.shape[0] == BLOCK - 1 for _, _, logits in calls)
+        for anchor, start, logits in calls:
+            block = torch.full((1, BLOCK), drafter.mask_token_id)
+            block[0, 0] = anchor
+            for slot in range(1, logits.shape[0] + 1):
+                out = drafter(features[:, :start], F.embedding(block, embed), torch.arange(start + BLOCK)[None])
+                expected = F.linear(out[0, slot], rows)
+                torch.testing.assert_close(logits[slot - 1, drafter.draft_vocab], expected, rtol=1e-4, atol=1e-4)
+                block[0, slot] = int(drafter.draft_vocab[expected.argmax()])
+    # One pass drafts differently: the later slots no longer see the earlier drafts.
+    single = DFlashProposer(drafter, embed, head, denoise_passes=1)
+    features_0 = features[:, : len(prompt)]
+    assert not torch.equal(single.propose(features_0, sequence[len(prompt)], len(prompt), BLOCK - 1)[1:],
+                           DFlashProposer(drafter, embed, head).propose(features_0, sequence[len(prompt)],
+                                                                         len(prompt), BLOCK - 1)[1:])
+    with pytest.raises(ValueError, match="denoise_passes"):
+        DFlashProposer(drafter, embed, head, denoise_passes=BLOCK)
