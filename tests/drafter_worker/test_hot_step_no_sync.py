@@ -19,9 +19,10 @@ B, T = 2, 20
 STEPS = 12
 
 
-def make_trainer() -> DrafterTrainer:
+def make_trainer(**overrides) -> DrafterTrainer:
     model = tiny_drafter(0)
-    cfg = DrafterConfig(block_size=BLOCK, anchors_per_sequence=3, warmup_steps=3, max_steps=STEPS, grad_clip=0.5)
+    cfg = DrafterConfig(block_size=BLOCK, anchors_per_sequence=3, warmup_steps=3, max_steps=STEPS, grad_clip=0.5,
+                        **overrides)
     return DrafterTrainer(cfg, model, make_optimizer(cfg, model), torch.Generator().manual_seed(0), step=0)
 
 
@@ -40,8 +41,9 @@ def received_batch():
     return features, input_ids, loss_mask, lengths, embed, head
 
 
-def test_hot_step_snapshot_and_deferred_read_make_no_host_reads():
-    trainer = make_trainer()
+@pytest.mark.parametrize("overrides", [{}, {"reveal_fraction": 0.5}], ids=["masked-blocks", "revealed-prefixes"])
+def test_hot_step_snapshot_and_deferred_read_make_no_host_reads(overrides):
+    trainer = make_trainer(**overrides)
     batch = received_batch()
     log_every = MetricsConfig(log_every_steps=5).log_every_steps
     records, lrs = [], []
