@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2", help="the target (target.model syntax)")
     p.add_argument("--context", type=int, default=300, help="tokens already in the caches")
     p.add_argument("--draft-tokens", type=int, default=0, help="drafts verified a step (0: the whole block)")
+    p.add_argument("--denoise-passes", type=int, default=0, help="drafting passes a block takes (0: the drafter's own)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tau", type=float, default=0.0, help="also print the speed-up at this tau")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     target = loaded.model
     drafter = load_drafter(args.drafter)
     embed, head, _ = embedding_weights(target)
-    proposer = DFlashProposer(drafter, embed, head)
+    proposer = DFlashProposer(drafter, embed, head, args.denoise_passes or None)
     drafts = args.draft_tokens or proposer.block_size - 1
     layer_ids = proposer.layer_ids
     gen = torch.Generator().manual_seed(0)
@@ -104,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             with small_row_linears(target, drafter):
                 for tokens in lengths:
                     by_length[tokens].append(_timed(verify_length(tokens)))
-    print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified), "
+    print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified, "
+          f"{proposer.denoise_passes} drafting passes), "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
     result: dict = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
+                    "denoise_passes": proposer.denoise_passes,
                     "threads": args.threads}
     for mode in modes:
         ms = {name: statistics.median(values[1:]) for name, values in times[mode].items()}

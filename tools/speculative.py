@@ -456,7 +456,7 @@ class DFlashProposer:
         hidden = self.drafter(features, noise, positions, None, context_cache=self.cache)
         head = self._draft_head
         drafts = hidden[0, 1 + first : 1 + num_draft].to(device=head.device, dtype=head.dtype)
-        # The few rows of a block: F.linear's CPU GEMM is 2-4x slower there (tools/small_linears.py).
+        # The few rows of a block: the faster of F.linear and W @ x^T on this machine (tools/small_linears.py).
         return small_row_linear(drafts, head, None)
 
     def _token(self, row: torch.Tensor) -> int:

@@ -8,13 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from tools import small_linears
-from tools.small_linears import MAX_ROWS, WIDE_OUTPUT, small_row_linear, small_row_linears
+from tools.small_linears import MAX_ROWS, small_row_linear, small_row_linears
+
+WIDE = 8192  # an LM head's width
 
 
-@pytest.mark.parametrize("out_features", [48, WIDE_OUTPUT])
+@pytest.mark.parametrize("prefer_mm", [False, True], ids=["f-linear-faster", "mm-faster"])
+@pytest.mark.parametrize("out_features", [48, WIDE])
 @pytest.mark.parametrize("shape", [(1, 32), (1, 1, 32), (2, 32), (1, 3, 32), (4, 32), (2, 3, 32), (0, 32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_row_linear_equals_f_linear(out_features, shape, bias):
+def test_small_row_linear_equals_f_linear(out_features, shape, bias, prefer_mm, monkeypatch):
+    # Whichever path this machine's calibration picks, the result is F.linear's.
+    monkeypatch.setattr(small_linears, "_faster_is_mm", lambda flat, weight: prefer_mm)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, 32, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -35,7 +40,7 @@ def test_training_and_many_rows_keep_f_linear():
 
 def test_patch_routes_every_linear_and_restores_it(monkeypatch):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, WIDE_OUTPUT, bias=False))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, WIDE, bias=False))
     x = torch.randn(3, 8)
     with torch.inference_mode():
         before = model(x)
@@ -49,9 +54,18 @@ def test_patch_routes_every_linear_and_restores_it(monkeypatch):
     with small_row_linears(model) as patched, torch.inference_mode():
         assert patched == 2
         inside = model(x)
-    assert calls == [(16, 8), (WIDE_OUTPUT, 16)]
+    assert calls == [(16, 8), (WIDE, 16)]
     torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
     assert all("forward" not in vars(m) for m in model.modules())  # the class forward again
     with torch.inference_mode():
         model(x)
     assert len(calls) == 2
+
+
+def test_each_shape_is_timed_once_and_its_choice_kept(monkeypatch):
+    monkeypatch.setattr(small_linears, "_prefer_mm", {})
+    weight = torch.randn(WIDE, 16)
+    for rows in (1, 1, 3, 3, 1):
+        small_row_linear(torch.randn(rows, 16), weight, None)
+    assert sorted(small_linears._prefer_mm) == [(1, WIDE, 16, torch.float32), (3, WIDE, 16, torch.float32)]
+    assert all(isinstance(v, bool) for v in small_linears._prefer_mm.values())
