@@ -561,18 +561,7 @@ def build_block_inputs(
     same_block = (slot_block[:, None] == slot_block[None, :]).expand(bsz, q_len, q_len)
     attention_mask = torch.cat([ctx_visible, same_block], dim=2)[:, None]
 
-    # Slot k predicts input_ids[a + k]; clamp the gather index, validity masks the rest.
-    label_idx = block_pos.clamp(max=seq - 1).reshape(bsz, q_len)
-    labels = torch.gather(input_ids, 1, label_idx).view(bsz, num, block_size)
-    in_loss = torch.gather(loss_mask.bool(), 1, label_idx).view(bsz, num, block_size)
-    label_valid = (
-        (block_pos < lengths[:, None, None])
-        & in_loss
-        & anchor_valid[:, :, None].bool()
-        & (offsets >= 1)  # slot 0 is the given anchor token
-    )
-    if reveal is not None:
-        label_valid &= offsets > reveal[:, :, None]
+    labels, label_valid = _block_labels(input_ids, loss_mask, lengths, block_pos, anchor_valid, reveal)
     return BlockInputs(
         block_ids=block_ids,
         position_ids=position_ids,
@@ -581,6 +570,27 @@ def build_block_inputs(
         label_valid=label_valid,
         reveal=reveal,
     )
+
+
+def _block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, block_pos: torch.Tensor,
+                  anchor_valid: torch.Tensor, reveal: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, label_valid)`` ``[B, N, bs]``: slot k predicts input_ids[a + k] where it is in the sequence,
+    in the loss, of a valid anchor, past slot 0 and past the revealed slots."""
+    seq = input_ids.shape[1]
+    offsets = torch.arange(block_pos.shape[-1], device=block_pos.device)
+    # Clamp the gather index; validity masks the rest.
+    label_idx = block_pos.clamp(max=seq - 1).flatten(1)
+    labels = torch.gather(input_ids, 1, label_idx).view_as(block_pos)
+    in_loss = torch.gather(loss_mask.bool(), 1, label_idx).view_as(block_pos)
+    label_valid = (
+        (block_pos < lengths[:, None, None])
+        & in_loss
+        & anchor_valid[:, :, None].bool()
+        & (offsets >= 1)  # slot 0 is the given anchor token
+    )
+    if reveal is not None:
+        label_valid &= offsets > reveal[:, :, None]
+    return labels, label_valid
 
 
 @dataclass

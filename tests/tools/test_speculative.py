@@ -162,11 +162,8 @@ def test_stop_token_ends_generation(target):
     assert speculative_generate(target, proposer, prompt, max_new_tokens=20, stop_token_ids=[stop]).tokens == expected
 
 
-def test_drafter_sees_the_same_context_as_in_training(target):
-    # The cached, incrementally built drafter context must give the drafts a
-    # full-sequence pass gives (what training computes from the target server's features).
-    drafter = make_drafter(seed=3)
-    proposer = dflash_proposer(target, drafter)
+def record_proposals(proposer: DFlashProposer) -> list:
+    """Wrap ``proposer.propose`` so each call's ``(anchor, start, logits)`` lands in the returned list."""
     calls = []
     inner = proposer.propose
 
@@ -176,6 +173,15 @@ def test_drafter_sees_the_same_context_as_in_training(target):
         return logits
 
     proposer.propose = logged
+    return calls
+
+
+def test_drafter_sees_the_same_context_as_in_training(target):
+    # The cached, incrementally built drafter context must give the drafts a
+    # full-sequence pass gives (what training computes from the target server's features).
+    drafter = make_drafter(seed=3)
+    proposer = dflash_proposer(target, drafter)
+    calls = record_proposals(proposer)
     prompt = PROMPTS[2]
     spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
     sequence = prompt + spec.tokens
@@ -240,15 +246,7 @@ def test_denoising_passes_show_each_fixed_draft_to_the_next_pass(target):
     drafter = make_denoising_drafter(passes=BLOCK - 1)
     proposer = dflash_proposer(target, drafter)
     assert proposer.denoise_passes == BLOCK - 1  # the drafter's own setting is the default
-    calls = []
-    inner = proposer.propose
-
-    def logged(features, anchor, start, num_draft):
-        logits = inner(features, anchor, start, num_draft)
-        calls.append((anchor, start, logits))
-        return logits
-
-    proposer.propose = logged
+    calls = record_proposals(proposer)
     prompt = PROMPTS[2]
     spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
     assert spec.tokens == plain_generate(target, prompt, max_new_tokens=17).tokens
