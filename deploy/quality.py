@@ -33,17 +33,21 @@ from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
 
 TRAIN_MINUTES = 50.0  # training stops this long after the start; the hour holds it with evaluation and export
+# On a CPU every verified token costs: drafts the drafter gives less than this chance of being right
+# (with all before them) cost more than they win (docs/recipe.md). A GPU verifies a block for the price of a token.
+CPU_DRAFT_CONFIDENCE = 0.3
 DRAFTER_STOP_TIMEOUT_S = 120.0  # drafters stopped by --train-minutes checkpoint first
 FINAL_EVAL_TIMEOUT_S = 3600.0
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace) -> dict | None:
-    out = tools.run_dir / "eval" / f"final-{drafter_id}.json"
+def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, draft_confidence: float = 0.0) -> dict | None:
+    name = f"final-{drafter_id}" + ("-cut" if draft_confidence else "")
+    out = tools.run_dir / "eval" / f"{name}.json"
     cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
-           "--threads", str(args.eval_threads), "--json", str(out)]
-    code = tools.run(f"eval-final-{drafter_id}", cmd, FINAL_EVAL_TIMEOUT_S)
+           "--threads", str(args.eval_threads), "--draft-confidence", str(draft_confidence), "--json", str(out)]
+    code = tools.run(f"eval-{name}", cmd, FINAL_EVAL_TIMEOUT_S)
     if code != 0 or not out.is_file():
         print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {tools.log_dir}", file=sys.stderr)
         return None
@@ -86,12 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
     parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
+    parser.add_argument("--draft-confidence", type=float,
+                        help="also evaluate with each step's drafts cut where the drafter's own chance that all "
+                             f"of them are right falls below this (default {CPU_DRAFT_CONFIDENCE:g} for a CPU "
+                             "target, else 0 = no second evaluation)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         drafter_ids = drafter_ids_in(args.config) or [cfg.drafter.id]
     except ConfigError as exc:
         print(f"quality: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.draft_confidence is None:
+        args.draft_confidence = CPU_DRAFT_CONFIDENCE if cfg.target.device == "cpu" else 0.0
+    if not 0.0 <= args.draft_confidence < 1.0:
+        print(f"quality: --draft-confidence must be in [0, 1), got {args.draft_confidence}", file=sys.stderr)
         return 2
     source = Path(cfg.data.source)
     # A file or dataset directory of the checkout must be there; any other source (a hub
@@ -151,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     with Job(None, run_dir) as tools:
         for drafter_id in drafter_ids:
             report = _eval_final(tools, drafter_id, args)
+            cut = _eval_final(tools, drafter_id, args, args.draft_confidence) if args.draft_confidence else None
             export = _export(tools, drafter_id)
-            results[drafter_id] = {"report": report, "export": str(export) if export else None,
+            results[drafter_id] = {"report": report, "cut": cut, "export": str(export) if export else None,
                                    "tau_curve": _eval_curve(run_dir, drafter_id)}
     total_minutes = (time.monotonic() - started) / 60.0
     lines, ok = summarize(run_dir)
@@ -176,8 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
               f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
-        if report.get("greedy_mismatches"):
-            print(f"    WARNING: {report['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
+        cut = result["cut"]
+        if args.draft_confidence and cut is None:
+            ok = False
+            print("    no evaluation with cut drafts")
+        if cut is not None:
+            print(f"    drafts cut below confidence {cut['draft_confidence']:g} ({cut['drafts_per_step']:.2f} verified a "
+                  f"step instead of {report['drafts_per_step']:.2f}): tau {cut['tau']:.3f}, speculative "
+                  f"{cut['spec_tokens_per_s']:.1f} tok/s vs plain greedy {cut['plain_tokens_per_s']:.1f} tok/s: "
+                  f"{cut['speedup']:.2f}x")
+        for r in (report, cut or {}):
+            if r.get("greedy_mismatches"):
+                print(f"    WARNING: {r['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
         curve = result["tau_curve"]
         if curve:
             print("    tau during training (min: tau): " + ", ".join(f"{m:.0f}: {t:.2f}" for m, t in
@@ -188,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }
+        if cut is not None:
+            summary["drafters"][drafter_id]["cut_drafts"] = {
+                k: cut[k] for k in ("draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
+                                    "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
     for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
         print(f"  {line}")
     if plots:

@@ -203,11 +203,14 @@ def evaluate(
     baseline: bool = True,
     draft_tokens: int | None = None,
     denoise_passes: int | None = None,
+    draft_confidence: float = 0.0,
 ) -> dict[str, Any]:
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
 
     ``draft_tokens`` caps the drafts each step verifies (default: the whole block); ``denoise_passes``
-    sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``)."""
+    sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``);
+    ``draft_confidence`` ends each step's drafts where the drafter's own chance that all of them are
+    right falls below it (0: never)."""
     from common.model_loader import embedding_weights
     from tools.small_linears import small_row_linears
     from tools.speculative import DFlashProposer
@@ -219,7 +222,7 @@ def evaluate(
                         f"{drafter.target_layer_ids}) does not fit the target (vocabulary {embed.shape[0]}, "
                         f"{num_layers} layers): it was trained for another target")
     try:
-        proposer = DFlashProposer(drafter, embed, head, denoise_passes)
+        proposer = DFlashProposer(drafter, embed, head, denoise_passes, draft_confidence)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     if draft_tokens is None:
@@ -250,6 +253,7 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         plain_generate(target, prompts[0], max_new_tokens=min(4, max_new_tokens))
 
     stats = SpecStats(proposer.block_size)
+    passes_before = getattr(proposer, "passes_taken", 0)
     per_prompt = []
     spec_tokens = spec_s = plain_tokens = plain_s = 0.0
     mismatches = 0
@@ -285,6 +289,9 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         "block_size": proposer.block_size,
         "draft_tokens": draft_tokens,
         "denoise_passes": proposer.denoise_passes,
+        "draft_confidence": getattr(proposer, "draft_confidence", 0.0),
+        "drafts_per_step": stats.drafted_total / max(1, stats.steps),
+        "drafting_passes_per_step": (getattr(proposer, "passes_taken", 0) - passes_before) / max(1, stats.steps),
         "tau": stats.tau,
         "tau_per_prompt": [row["tau"] for row in per_prompt],
         "acceptance_rate": stats.acceptance_rate(),
@@ -332,7 +339,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"  target: {report['target']}  prompts: {report['num_prompts']} ({report['prompt_source']})  "
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
         f"  tau: {report['tau']:.3f} tokens/step (block size {report['block_size']}, "
-        f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}; "
+        f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}"
+        + (f", drafts cut below confidence {report['draft_confidence']:g}: {report['drafts_per_step']:.2f} "
+           f"drafts and {report['drafting_passes_per_step']:.2f} passes a step" if report.get("draft_confidence") else "")
+        + "; "
         f"per prompt min {min(report['tau_per_prompt']):.2f} max {max(report['tau_per_prompt']):.2f})",
         "  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
         f"  acceptance rate by block position 1..{report['block_size'] - 1}: {rates}",
@@ -366,6 +376,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "fewer cost less to verify where later positions are rarely accepted")
     p.add_argument("--denoise-passes", type=int, help="drafting passes a block takes (default: the drafter's "
                    "own, set by drafter.denoise_passes in training); 1 drafts the block in one parallel pass")
+    p.add_argument("--draft-confidence", type=float, default=0.0, help="end a step's drafts before the first "
+                   "slot where the drafter's own probability that it and every draft before it are right falls "
+                   "below this: those slots are neither refined nor verified (0 = never, the default). On a CPU, "
+                   "where each verified token costs, 0.3 bought the most speed (docs/recipe.md)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
@@ -447,7 +461,7 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     started = time.monotonic()
     report = evaluate(loaded.model, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
                       temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens,
-                      denoise_passes=args.denoise_passes)
+                      denoise_passes=args.denoise_passes, draft_confidence=args.draft_confidence)
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),

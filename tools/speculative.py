@@ -66,7 +66,8 @@ class Proposer(Protocol):
         """Forget everything about the previous sequence."""
 
     def propose(self, features: torch.Tensor | None, anchor: int, start: int, num_draft: int) -> torch.Tensor:
-        """Logits ``[num_draft, V]`` of the drafts after the anchor.
+        """Logits ``[n, V]`` of the drafts after the anchor, ``1 <= n <= num_draft`` (a proposer
+        may stop early where it expects a later draft to be rejected).
 
         ``features`` ``[1, C, k*H]`` are the target features of positions
         ``start - C .. start - 1`` (every position since the previous call;
@@ -131,6 +132,11 @@ class SpecStats:
     @property
     def tau(self) -> float:
         return self.tokens / self.steps if self.steps else float("nan")
+
+    @property
+    def drafted_total(self) -> int:
+        """Drafts verified over all steps."""
+        return sum(self.drafted)
 
     def acceptance_rate(self) -> list[float]:
         """P(draft k accepted) for k = 1 .. block_size-1: the share of steps that
@@ -401,10 +407,17 @@ class DFlashProposer:
     slot's returned logits are those of the pass that fixed it, so greedy verification
     is exact, and sampled verification stays exact too (each draft is still drawn from
     the logits reported for it; only the later passes condition on the argmax).
+
+    With ``draft_confidence`` c > 0 the drafts end before the first slot where the
+    drafter's own probability that it and every slot before it are right (the product
+    of their top probabilities) falls below c: no pass refines those slots and the target
+    does not verify them. Where verifying a token costs (a CPU), that buys more speed than
+    the rarely accepted drafts it drops; the choice reads only the drafter's logits, so
+    greedy and sampled verification stay exact.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 denoise_passes: int | None = None) -> None:
+                 denoise_passes: int | None = None, draft_confidence: float = 0.0) -> None:
         if embed_weight.shape[1] != drafter.config.hidden_size:
             raise ValueError(f"the target's hidden size {embed_weight.shape[1]} != the drafter's "
                              f"{drafter.config.hidden_size}: this drafter was trained for another target")
@@ -420,6 +433,10 @@ class DFlashProposer:
             raise ValueError(f"denoise_passes must be in 1..{self.block_size - 1} for a block of {self.block_size}, "
                              f"got {passes}")
         self.denoise_passes = passes
+        if not 0.0 <= draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
+        self.draft_confidence = float(draft_confidence)
+        self.passes_taken = 0  # drafter passes run so far (all sequences): the drafting cost
         self.layer_ids: list[int] | None = list(drafter.target_layer_ids)
         self.cache = DraftContextCache(len(drafter.layers))
 
@@ -443,15 +460,27 @@ class DFlashProposer:
         positions = torch.arange(start - ctx_new, start + self.block_size, device=device)[None]
         logits = self._pass(features, block, positions, 0, num_draft)
         for fixed in range(1, min(self.denoise_passes, num_draft)):
+            if self._confident_drafts(logits[:fixed]) < fixed:
+                break  # slot `fixed` will be cut: refining the slots after it cannot pay
             # The context is cached now: later passes feed only the block, with slot `fixed` shown.
             block[0, fixed] = self._token(logits[fixed - 1])
             later = self._pass(features[:, :0], block, positions[:, ctx_new:], fixed, num_draft)
             logits = torch.cat([logits[:fixed], later])
-        return self._full_vocab(logits)
+        # A step verifies one draft at least.
+        return self._full_vocab(logits[: max(1, self._confident_drafts(logits))])
+
+    def _confident_drafts(self, logits: torch.Tensor) -> int:
+        """How many leading drafts of ``logits`` the drafter gives at least ``draft_confidence``
+        chance of being right all together."""
+        if not self.draft_confidence:
+            return logits.shape[0]
+        chain = torch.softmax(logits.float(), dim=-1).amax(dim=-1).cumprod(0)
+        return int((chain >= self.draft_confidence).sum())
 
     def _pass(self, features: torch.Tensor, block: torch.Tensor, positions: torch.Tensor, first: int,
               num_draft: int) -> torch.Tensor:
         """Draft logits of slots ``first + 1 .. num_draft`` from one drafter pass over ``block``."""
+        self.passes_taken += 1
         noise = F.embedding(block, self.embed_weight.to(block.device)).to(features.dtype)
         hidden = self.drafter(features, noise, positions, None, context_cache=self.cache)
         head = self._draft_head

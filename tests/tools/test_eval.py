@@ -89,6 +89,21 @@ def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
     assert "tau:" in text and "speed-up:" in text and "training EAL proxy: 0.250" in text
 
 
+def test_draft_confidence_cuts_the_drafts_a_step_verifies(run_dir, tmp_path, capsys):
+    # A random drafter is never 99.9% sure of a draft: every step verifies one draft, in one pass.
+    reports = {}
+    for confidence in ("0", "0.999"):
+        out = tmp_path / f"report-{confidence}.json"
+        assert eval_main([str(run_dir), "--drafter", "d0", "--num-prompts", "2", "--max-new-tokens", "9",
+                          "--ignore-eos", "--draft-confidence", confidence, "--json", str(out)]) == 0
+        reports[confidence] = json.loads(out.read_text())
+    full, cut = reports["0"], reports["0.999"]
+    assert full["drafts_per_step"] > 2 and cut["drafts_per_step"] <= 1 and cut["drafting_passes_per_step"] <= 1
+    assert cut["draft_confidence"] == 0.999 and cut["greedy_mismatches"] == 0
+    assert cut["generated_tokens"] == full["generated_tokens"] == 18
+    assert "drafts cut below confidence 0.999" in capsys.readouterr().out
+
+
 def test_eval_watch_pushes_tau_at_the_checkpoint_step(run_dir):
     (port,) = free_ports(1)
     address = f"tcp://127.0.0.1:{port}"

@@ -273,3 +273,40 @@ def test_denoising_passes_show_each_fixed_draft_to_the_next_pass(target):
                                                                          len(prompt), BLOCK - 1)[1:])
     with pytest.raises(ValueError, match="denoise_passes"):
         DFlashProposer(drafter, embed, head, denoise_passes=BLOCK)
+
+
+
+def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(target):
+    # The drafts end before the first slot whose chain probability (the product of the top
+    # probabilities of it and every slot before it) is below draft_confidence; no pass refines
+    # the slots cut, and the drafts kept are those of full decoding.
+    drafter = make_denoising_drafter(passes=BLOCK - 1)
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        features = target_features(target(torch.tensor([prompt]), output_hidden_states=True).hidden_states,
+                                   drafter.target_layer_ids)
+
+    def propose(confidence: float) -> tuple[torch.Tensor, int]:
+        proposer = DFlashProposer(drafter, embed, head, draft_confidence=confidence)
+        return proposer.propose(features, prompt[-1], len(prompt), BLOCK - 1), proposer.passes_taken
+
+    every, taken = propose(0.0)
+    assert (every.shape[0], taken) == (BLOCK - 1, BLOCK - 1)
+    chain = torch.softmax(every, dim=-1).amax(dim=-1).cumprod(0).tolist()
+    assert chain[0] < 0.99 and chain[2] < chain[1] * 0.999 < chain[0]  # a random drafter is far from sure
+    # Slots 1 and 2 together just likely enough, slot 3 not once the third pass has drafted it.
+    two, taken = propose(chain[1] * 0.999)
+    assert taken == 3
+    torch.testing.assert_close(two, every[:2], rtol=0, atol=0)
+    # Slot 1 alone below it: one pass, one draft (a step verifies one at least).
+    one, taken = propose(chain[0] * 1.001)
+    assert taken == 1
+    torch.testing.assert_close(one, every[:1], rtol=0, atol=0)
+    # Greedy output stays the target's.
+    proposer = DFlashProposer(drafter, embed, head, draft_confidence=chain[1] * 0.999)
+    spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
+    assert spec.tokens == plain_generate(target, prompt, max_new_tokens=17).tokens
+    assert max(spec.step_drafts) < BLOCK - 1
+    with pytest.raises(ValueError, match="draft_confidence"):
+        DFlashProposer(drafter, embed, head, draft_confidence=1.0)
