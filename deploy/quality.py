@@ -11,8 +11,11 @@ recipe's cosine, ``drafter.decay_minutes``, ends there on the drafter's own
 clock), or earlier when the target has served the recipe's epochs. Then a final
 evaluation on held-out prompts (target-generated answers the drafter never
 trained on) measures tau, acceptance per block position and speculative vs
-plain greedy tokens/s side by side; the drafter is exported; the summary is
-printed and written to ``<run>/summary.json``.
+plain greedy tokens/s side by side, and a second one does it again with each
+step's drafts cut where the drafter's own confidence falls below
+``--draft-confidence`` (0.3 for a CPU target, where each verified token costs);
+the drafter is exported; the summary is printed and written to
+``<run>/summary.json``.
 """
 
 from __future__ import annotations
