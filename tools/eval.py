@@ -379,7 +379,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-confidence", type=float, default=0.0, help="end a step's drafts before the first "
                    "slot where the drafter's own probability that it and every draft before it are right falls "
                    "below this: those slots are neither refined nor verified (0 = never, the default). On a CPU, "
-                   "where each verified token costs, 0.3 bought the most speed (docs/recipe.md)")
+                   "where each verified token costs, 0.2-0.5 ran fastest (docs/recipe.md)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
