@@ -253,7 +253,7 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         plain_generate(target, prompts[0], max_new_tokens=min(4, max_new_tokens))
 
     stats = SpecStats(proposer.block_size)
-    passes_before = getattr(proposer, "passes_taken", 0)
+    passes_before = proposer.passes_taken
     per_prompt = []
     spec_tokens = spec_s = plain_tokens = plain_s = 0.0
     mismatches = 0
@@ -289,9 +289,9 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         "block_size": proposer.block_size,
         "draft_tokens": draft_tokens,
         "denoise_passes": proposer.denoise_passes,
-        "draft_confidence": getattr(proposer, "draft_confidence", 0.0),
+        "draft_confidence": proposer.draft_confidence,
         "drafts_per_step": stats.drafted_total / max(1, stats.steps),
-        "drafting_passes_per_step": (getattr(proposer, "passes_taken", 0) - passes_before) / max(1, stats.steps),
+        "drafting_passes_per_step": (proposer.passes_taken - passes_before) / max(1, stats.steps),
         "tau": stats.tau,
         "tau_per_prompt": [row["tau"] for row in per_prompt],
         "acceptance_rate": stats.acceptance_rate(),
