@@ -224,7 +224,6 @@ class DrafterConfig:
     sliding_window: int = _doc("positions a sliding_attention layer sees: a slot at position p attends to keys at |p - k| < sliding_window (0 = no sliding layers; at least block_size)", 0)
     init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
     init_target_layers: list[int] = _doc("start a fresh drafter's layers as copies of these target decoder layers (layer j from the j-th id; the rest stay random), its fc reading the captured layer just below the first one when target.target_layer_ids has it; the drafter loads target.model on its own host for them, once. Empty = a random start", default_factory=list)
-    init_layers_lr_scale: float = _doc("learning rate of the layers started as target layers (drafter.init_target_layers), as a fraction of the drafter's: below 1 they keep more of what the target's layers know", 1.0)
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
     reveal_fraction: float = _doc("fraction of training blocks that show the true tokens of a random prefix of their draft slots (1..block_size-2 of them) and learn only the slots after it: what a later denoising pass sees (drafter.denoise_passes)", 0.0)
     denoise_passes: int = _doc("drafting passes a block takes when decoding (saved in the drafter's config; dflash-eval --denoise-passes overrides it): pass i fixes draft slot i + 1 and shows it to the next pass, the last pass drafts all the slots left. 1 is DFlash's single parallel pass; more pays only for a drafter trained with drafter.reveal_fraction > 0", 1)
@@ -270,8 +269,6 @@ class DrafterConfig:
                  f"names more layers than drafter.num_layers = {self.num_layers}", self.init_target_layers)
         _require(not (self.init_target_layers and self.init_from), "drafter.init_target_layers",
                  "and drafter.init_from are two starting points: set one of them", self.init_target_layers)
-        _require(math.isfinite(self.init_layers_lr_scale) and self.init_layers_lr_scale > 0, "drafter.init_layers_lr_scale",
-                 "must be a finite number > 0", self.init_layers_lr_scale)
         _require(self.loss_gamma > 0, "drafter.loss_gamma", "must be > 0", self.loss_gamma)
         _require(self.loss_impl in ("auto", "triton", "chunked", "torch"), "drafter.loss_impl",
                  "must be auto, triton, chunked or torch", self.loss_impl)

@@ -60,17 +60,10 @@ def learning_rate(cfg: DrafterConfig, step: int, plan_steps: int = 0, train_seco
 
 
 def make_optimizer(cfg: DrafterConfig, model: DFlashDrafter) -> torch.optim.Optimizer:
-    """Fused AdamW; weight decay on matrices only, and the layers copied from the target at
-    ``init_layers_lr_scale`` of the learning rate (each group's ``lr_scale``, see ``train_step``)."""
-    copied = tuple(f"layers.{j}." for j in range(len(cfg.init_target_layers)))
-    scaled = cfg.init_layers_lr_scale != 1.0 and bool(copied)
-    groups: dict[tuple[bool, bool], list] = {}
+    decay, no_decay = [], []
     for name, param in model.named_parameters():
-        key = (param.ndim >= 2, scaled and name.startswith(copied))
-        groups.setdefault(key, []).append(param)
-    groups = [{"params": params, "weight_decay": cfg.weight_decay if matrix else 0.0,
-               "lr_scale": cfg.init_layers_lr_scale if from_target else 1.0}
-              for (matrix, from_target), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+        (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused (CPU and CUDA): the only AdamW that takes a device-side found_inf flag.
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=True)
 
@@ -137,7 +130,7 @@ class DrafterTrainer:
         the other ranks is matched, and records no metrics."""
         lr = learning_rate(self.cfg, self.step, self.plan_steps, self.train_seconds)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+            group["lr"] = lr
         self.model.train()
         out = dflash_block_loss(
             self.forward_model,
