@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.config import load_config  # noqa: E402
 from drafter_worker.model.dflash_model import (  # noqa: E402
-    DFlashDrafter, _block_hidden, _weighted_slot_loss, build_block_inputs, build_target_layer_ids, init_feature_scale,
+    DFlashDrafter, _block_hidden, _weighted_slot_loss, build_block_inputs, build_causal_block_inputs, build_target_layer_ids, init_feature_scale,
     init_logit_scale, make_drafter_config, sample_anchors)
 from drafter_worker.trainer import DrafterTrainer, make_optimizer  # noqa: E402
 from drafter_worker.model.target_layers import copy_target_layers  # noqa: E402
@@ -92,9 +92,14 @@ def _every_anchor(model, sample, sample_feats, embed, reveal: int = 0):
     ``reveal``: each block shows its first this many draft slots' true tokens (a later denoising pass)."""
     ids, mask, lens = sample.input_ids.long()[None], sample.loss_mask[None], torch.tensor([len(sample)])
     anchors, valid = sample_anchors(mask, lens, len(sample))
-    inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors, anchor_valid=valid,
-                                block_size=model.block_size, mask_token_id=model.mask_token_id,
-                                reveal=torch.full_like(anchors, reveal) if reveal else None)
+    if model.causal_passes:  # every pass of a block at once, each seeing the true tokens before its slot
+        inputs = build_causal_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors,
+                                           anchor_valid=valid, block_size=model.block_size,
+                                           mask_token_id=model.mask_token_id)
+    else:
+        inputs = build_block_inputs(input_ids=ids, loss_mask=mask, lengths=lens, anchors=anchors, anchor_valid=valid,
+                                    block_size=model.block_size, mask_token_id=model.mask_token_id,
+                                    reveal=torch.full_like(anchors, reveal) if reveal else None)
     return anchors, valid, inputs, _block_hidden(model, inputs, sample_feats[None], embed, anchors)
 
 
@@ -124,7 +129,7 @@ def heldout_acceptance(model, samples, feats, embed, head, idx, passes: int = 1)
         anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
         label_valid = inputs.label_valid[:, :, 1:]
         _, hits = _weighted_slot_loss(model, hidden, inputs, head, 1.0, "auto")
-        for r in range(1, min(passes, bs - 1)):
+        for r in range(1, 1 if model.causal_passes else min(passes, bs - 1)):
             _, _, later, later_hidden = _every_anchor(model, s, feats[j], embed, reveal=r)
             _, later_hits = _weighted_slot_loss(model, later_hidden, later, head, 1.0, "auto")
             hits[:, :, r:] = later_hits[:, :, r:]
@@ -291,7 +296,8 @@ def main() -> int:
             max_position_embeddings=arch.max_position_embeddings, num_hidden_layers=vcfg.num_layers,
             num_target_layers=loaded.num_layers, target_layer_ids=layer_ids, block_size=vcfg.block_size,
             mask_token_id=mask_id, draft_vocab_size=vcfg.draft_vocab_size,
-            layer_types=vcfg.layer_types, sliding_window=vcfg.sliding_window)
+            layer_types=vcfg.layer_types, sliding_window=vcfg.sliding_window, denoise_passes=vcfg.denoise_passes,
+            causal_passes=vcfg.causal_passes)
         torch.manual_seed(vcfg.seed)
         model = DFlashDrafter(config)
         if vcfg.draft_vocab_size:

@@ -227,6 +227,7 @@ class DrafterConfig:
     loss_gamma: float = _doc("slot k weight is exp(-(k-1)/gamma)", 7.0)
     reveal_fraction: float = _doc("fraction of training blocks that show the true tokens of a random prefix of their draft slots (1..block_size-2 of them) and learn only the slots after it: what a later denoising pass sees (drafter.denoise_passes)", 0.0)
     denoise_passes: int = _doc("drafting passes a block takes when decoding (saved in the drafter's config; dflash-eval --denoise-passes overrides it): pass i fixes draft slot i + 1 and shows it to the next pass, the last pass drafts all the slots left. 1 is DFlash's single parallel pass; more pays only for a drafter trained with drafter.reveal_fraction > 0", 1)
+    causal_passes: bool = _doc("draft each block causally in block_size - 1 passes (a slot sees the slots up to itself; pass k fixes slot k) and train every pass of every block at once (each block laid out as its shown true tokens plus one mask per slot: 2 x block_size - 2 query slots); needs denoise_passes = block_size - 1 and reveal_fraction = 0. Saved in the drafter's config; engines that do not know it draft in one parallel pass", False)
     distill_weight: float = _doc("weight of the soft-target loss against the target's own next-token distribution (knowledge distillation; 0 = hard labels only): loss = (1 - w) * hard + w * soft. Needs the target to capture its last layer (target.target_layer_ids ending with it)", 0.0)
     loss_impl: str = _doc("LM-head loss implementation: auto (Triton on CUDA for up to 2,048 scored rows a call, else chunked), triton, chunked (vocabulary chunks, no [N, V] logits) or torch (the plain reference)", "auto")
     learning_rate: float = _doc("peak AdamW learning rate", 6e-4)
@@ -257,6 +258,9 @@ class DrafterConfig:
         _require(0.0 <= self.reveal_fraction <= 1.0, "drafter.reveal_fraction", "must be in [0, 1]", self.reveal_fraction)
         _require(1 <= self.denoise_passes <= max(1, self.block_size - 1), "drafter.denoise_passes",
                  f"must be in 1..block_size - 1 = {self.block_size - 1}", self.denoise_passes)
+        _require(not self.causal_passes or (self.denoise_passes == self.block_size - 1 and not self.reveal_fraction),
+                 "drafter.causal_passes", f"needs denoise_passes = block_size - 1 = {self.block_size - 1} and "
+                 "reveal_fraction = 0 (it trains every pass itself)", self.causal_passes)
         _require(0.0 <= self.distill_weight <= 1.0, "drafter.distill_weight", "must be in [0, 1]", self.distill_weight)
         _require(self.num_key_value_heads >= 0, "drafter.num_key_value_heads", "must be >= 0", self.num_key_value_heads)
         _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)

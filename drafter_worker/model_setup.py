@@ -72,6 +72,7 @@ def fresh_model(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) -
         layer_types=dcfg.layer_types,
         sliding_window=dcfg.sliding_window,
         denoise_passes=dcfg.denoise_passes,
+        causal_passes=dcfg.causal_passes,
     )
     torch.manual_seed(dcfg.seed)
     model = DFlashDrafter(config).to(device)

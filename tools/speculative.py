@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter_worker.model.dflash_model import DFlashDrafter, DraftContextCache
+from drafter_worker.model.modeling_dflash import causal_block_mask
 from tools.small_linears import small_row_linear
 
 __all__ = [
@@ -432,6 +433,9 @@ class DFlashProposer:
         if not 1 <= passes <= self.block_size - 1:
             raise ValueError(f"denoise_passes must be in 1..{self.block_size - 1} for a block of {self.block_size}, "
                              f"got {passes}")
+        if drafter.causal_passes and passes != self.block_size - 1:
+            raise ValueError(f"this drafter drafts causally, one slot a pass: denoise_passes must be "
+                             f"{self.block_size - 1}, got {passes}")
         self.denoise_passes = passes
         if not 0.0 <= draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be in [0, 1), got {draft_confidence}")
@@ -482,7 +486,10 @@ class DFlashProposer:
         """Draft logits of slots ``first + 1 .. num_draft`` from one drafter pass over ``block``."""
         self.passes_taken += 1
         noise = F.embedding(block, self.embed_weight.to(block.device)).to(features.dtype)
-        hidden = self.drafter(features, noise, positions, None, context_cache=self.cache)
+        mask = None  # bidirectional block: every slot sees every slot
+        if self.drafter.causal_passes:
+            mask = causal_block_mask(len(self.cache) + features.shape[1], block.shape[1], block.device)
+        hidden = self.drafter(features, noise, positions, mask, context_cache=self.cache)
         head = self._draft_head
         drafts = hidden[0, 1 + first : 1 + num_draft].to(device=head.device, dtype=head.dtype)
         # The few rows of a block: the faster of F.linear and W @ x^T on this machine (tools/small_linears.py).

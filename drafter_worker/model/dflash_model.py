@@ -84,6 +84,7 @@ __all__ = [
     "DraftContextCache",
     "MODELING_FILE_NAME",
     "build_block_inputs",
+    "build_causal_block_inputs",
     "build_target_layer_ids",
     "dflash_block_loss",
     "expected_acceptance_length",
@@ -152,6 +153,7 @@ def make_drafter_config(
     layer_types: Sequence[str] | None = None,
     sliding_window: int = 0,
     denoise_passes: int = 1,
+    causal_passes: bool = False,
 ) -> Qwen3Config:
     """A ``Qwen3Config`` laid out like published DFlash draft checkpoints.
 
@@ -179,8 +181,13 @@ def make_drafter_config(
     ))
     _set_dflash_attributes(config, block_size=block_size, num_target_layers=num_target_layers,
                            mask_token_id=mask_token_id, layer_ids=layer_ids, draft_vocab_size=draft_vocab_size)
+    if causal_passes and denoise_passes != block_size - 1:
+        raise ValueError(f"causal_passes drafts a block in block_size - 1 = {block_size - 1} passes, "
+                         f"got denoise_passes {denoise_passes}")
     if denoise_passes > 1:  # our decoding loop reads it; engines that do not know it draft in one pass
         config.dflash_config["denoise_passes"] = denoise_passes
+    if causal_passes:
+        config.dflash_config["causal_passes"] = True
     return config
 
 
@@ -517,6 +524,9 @@ class BlockInputs:
     labels: torch.Tensor  # Long [B, N, bs]: input_ids[a+k] (clamped in range)
     label_valid: torch.Tensor  # Bool [B, N, bs]: the label counts (slot 0 and revealed slots never)
     reveal: torch.Tensor | None = None  # Long [B, N]: slots 1..r hold their true tokens (None: none do)
+    # Query slots a block occupies: block_size, or 2 * block_size - 2 in the causal layout
+    # (:func:`build_causal_block_inputs`), whose drafter outputs :func:`_block_hidden` maps back to block slots.
+    slots_per_block: int = 0
 
 
 def build_block_inputs(
@@ -569,6 +579,71 @@ def build_block_inputs(
         labels=labels,
         label_valid=label_valid,
         reveal=reveal,
+        slots_per_block=block_size,
+    )
+
+
+def build_causal_block_inputs(
+    *,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> BlockInputs:
+    """Every denoising pass of a causally drafted block (``drafter.causal_passes``) in one query sequence.
+
+    Decoding drafts such a block in ``block_size - 1`` passes: pass k shows the drafts of slots
+    1..k-1, a slot sees only the slots up to itself, and slot k is read. Where those drafts can
+    still be accepted they are the true tokens, so one layout trains every pass at once: each block
+    holds its shown tokens (the anchor, then the true tokens of slots 1..bs-2, at positions
+    a..a+bs-2, each seeing the shown tokens up to itself) followed by one mask per draft slot k
+    (at position a+k, seeing the shown tokens before it and itself). ``2 * block_size - 2`` query
+    slots a block; labels and their validity are those of :func:`build_block_inputs`.
+    """
+    bsz, seq = input_ids.shape
+    num = anchors.shape[1]
+    device = input_ids.device
+    shown_n = block_size - 1
+    width = 2 * shown_n
+    q_len = num * width
+    lengths = lengths.to(device)
+    shown_off = torch.arange(shown_n, device=device)
+    offsets = torch.cat([shown_off, shown_off + 1])  # [width]: shown slots 0..bs-2, then masks 1..bs-1
+    is_mask = torch.arange(width, device=device) >= shown_n
+
+    shown_ids = torch.gather(input_ids, 1, (anchors[:, :, None] + shown_off).clamp(max=seq - 1).flatten(1))
+    block_ids = torch.where(is_mask, torch.full_like(is_mask, mask_token_id, dtype=input_ids.dtype),
+                            torch.cat([shown_ids.view(bsz, num, shown_n)] * 2, dim=2))
+    block_ids = block_ids.reshape(bsz, q_len)
+    ctx_pos = torch.arange(seq, device=device).expand(bsz, seq)
+    position_ids = torch.cat([ctx_pos, (anchors[:, :, None] + offsets).reshape(bsz, q_len)], dim=1)
+
+    slot_anchor = anchors[:, :, None].expand(bsz, num, width).reshape(bsz, q_len)
+    j = torch.arange(seq, device=device)
+    ctx_visible = (j[None, None, :] < slot_anchor[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
+    # Inside a block: a shown key at offset o is seen by a shown query at offset >= o and by the mask
+    # of slot > o; a mask key only by itself.
+    qo, ko = offsets[:, None], offsets[None, :]
+    q_mask, k_mask = is_mask[:, None], is_mask[None, :]
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    inner = (~k_mask & ((~q_mask & (ko <= qo)) | (q_mask & (ko < qo)))) | (k_mask & eye)
+    slot_block = torch.arange(q_len, device=device) // width
+    slot_in = torch.arange(q_len, device=device) % width
+    same_block = (slot_block[:, None] == slot_block[None, :]) & inner[slot_in[:, None], slot_in[None, :]]
+    attention_mask = torch.cat([ctx_visible, same_block.expand(bsz, q_len, q_len)], dim=2)[:, None]
+
+    block_pos = anchors[:, :, None] + torch.arange(block_size, device=device)
+    labels, label_valid = _block_labels(input_ids, loss_mask, lengths, block_pos, anchor_valid, None)
+    return BlockInputs(
+        block_ids=block_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        labels=labels,
+        label_valid=label_valid,
+        slots_per_block=width,
     )
 
 
@@ -667,16 +742,21 @@ def dflash_block_loss(
         raise ValueError(f"loss_gamma must be positive, got {loss_gamma}")
     bs = drafter.block_size
     anchors, anchor_valid = _resolve_anchors(loss_mask, lengths, num_anchors, generator, anchors, anchor_valid)
-    blocks = build_block_inputs(
-        input_ids=input_ids,
-        loss_mask=loss_mask,
-        lengths=lengths,
-        anchors=anchors,
-        anchor_valid=anchor_valid,
-        block_size=bs,
-        mask_token_id=drafter.mask_token_id,
-        reveal=sample_reveal(anchors, bs, reveal_fraction, generator),
-    )
+    if drafter.causal_passes:
+        blocks = build_causal_block_inputs(input_ids=input_ids, loss_mask=loss_mask, lengths=lengths, anchors=anchors,
+                                           anchor_valid=anchor_valid, block_size=bs,
+                                           mask_token_id=drafter.mask_token_id)
+    else:
+        blocks = build_block_inputs(
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            lengths=lengths,
+            anchors=anchors,
+            anchor_valid=anchor_valid,
+            block_size=bs,
+            mask_token_id=drafter.mask_token_id,
+            reveal=sample_reveal(anchors, bs, reveal_fraction, generator),
+        )
     hidden = _block_hidden(drafter, blocks, features, embed_weight, anchors)
     if distill_weight > 0:
         if teacher_norm is None:
@@ -759,7 +839,13 @@ def _block_hidden(
     noise = F.embedding(blocks.block_ids, embed_weight).to(dtype)
     hidden = drafter(features.to(dtype), noise, blocks.position_ids, blocks.attention_mask)
     bsz, num = anchors.shape
-    return hidden.view(bsz, num, drafter.block_size, -1)
+    bs = drafter.block_size
+    width = blocks.slots_per_block or bs
+    hidden = hidden.view(bsz, num, width, -1)
+    if width == bs:
+        return hidden
+    # Causal layout: slot 0 (never scored) from the anchor's query, slots 1.. from their masks.
+    return torch.cat([hidden[:, :, :1], hidden[:, :, bs - 1:]], dim=2)
 
 
 def _weighted_slot_loss(

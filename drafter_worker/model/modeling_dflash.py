@@ -53,6 +53,7 @@ __all__ = [
     "DFlashDraftMixin",
     "DFlashDraftModel",
     "DraftContextCache",
+    "causal_block_mask",
     "sliding_window_mask",
 ]
 
@@ -125,6 +126,10 @@ def validate_config(config: Any) -> None:
     passes, block = draft_value(config, "denoise_passes", 1), draft_value(config, "block_size", 16)
     if not isinstance(passes, int) or isinstance(passes, bool) or not 1 <= passes <= max(1, int(block) - 1):
         raise ValueError(f"dflash_config.denoise_passes must be an int in 1..block_size - 1, got {passes!r}")
+    causal = draft_value(config, "causal_passes", False)
+    if not isinstance(causal, bool) or (causal and passes != int(block) - 1):
+        raise ValueError(f"dflash_config.causal_passes must be a bool, and true only with denoise_passes = "
+                         f"block_size - 1, got {causal!r} with {passes} passes")
     rope_theta(config)
 
 
@@ -250,6 +255,14 @@ def sliding_window_mask(position_ids: torch.Tensor, q_len: int, kv_len: int, win
         key_pos = torch.cat([position_ids[:, :1] - before, position_ids], dim=1)
     query_pos = position_ids[:, new - q_len :]
     return ((query_pos[:, :, None] - key_pos[:, None, :]).abs() < window)[:, None]
+
+
+def causal_block_mask(context_len: int, block_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``[1, 1, bs, context_len + bs]`` of a causally drafted block (``causal_passes``): every
+    slot sees the whole context and the block's slots up to itself."""
+    block = torch.ones(block_size, block_size, dtype=torch.bool, device=device).tril()
+    context = torch.ones(block_size, context_len, dtype=torch.bool, device=device)
+    return torch.cat([context, block], dim=1)[None, None]
 
 
 def _restrict(attention_mask: torch.Tensor | None, window: torch.Tensor) -> torch.Tensor:
@@ -394,6 +407,9 @@ class DFlashDraftMixin:
         self.mask_token_id: int = int(draft_value(config, "mask_token_id"))
         # Drafting passes per block when decoding (pass i fixes slot i + 1; 1 = one parallel pass).
         self.denoise_passes: int = int(draft_value(config, "denoise_passes", 1) or 1)
+        # Drafted causally (a slot sees the slots up to itself), one slot fixed a pass; trained so
+        # (dflash_model.build_causal_block_inputs). Engines that do not know it draft in one parallel pass.
+        self.causal_passes: bool = bool(draft_value(config, "causal_passes", False))
         hidden = config.hidden_size
         # Optional draft vocabulary (as EAGLE-3's d2t): the drafter scores only these target
         # token ids, the ones its data uses most; a token outside it is never drafted.

@@ -240,6 +240,9 @@ def test_out_of_range_in_file_names_the_key(tmp_path):
     (["drafter.block_size=4", "drafter.denoise_passes=4"], "drafter.denoise_passes"),
     (["drafter.denoise_passes=0"], "drafter.denoise_passes"),
     (["drafter.reveal_fraction=1.5"], "drafter.reveal_fraction"),
+    (["drafter.block_size=4", "drafter.causal_passes=true"], "drafter.causal_passes"),
+    (["drafter.block_size=4", "drafter.denoise_passes=3", "drafter.causal_passes=true", "drafter.reveal_fraction=0.25"],
+     "drafter.causal_passes"),
 ])
 def test_denoising_settings_out_of_range_are_refused(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

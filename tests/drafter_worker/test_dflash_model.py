@@ -13,9 +13,11 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, repeat_kv, rotate_half
 
 from drafter_worker.model.lm_loss import lm_head_loss
+from drafter_worker.model.modeling_dflash import DraftContextCache, causal_block_mask
 from drafter_worker.model.dflash_model import (
     DFlashDrafter,
     build_block_inputs,
+    build_causal_block_inputs,
     build_target_layer_ids,
     dflash_block_loss,
     expected_acceptance_length,
@@ -493,6 +495,66 @@ def test_revealed_blocks_weigh_their_first_drafted_slot_as_slot_1():
         den += w
     assert den > 0 and out.loss.item() == pytest.approx(num / den, rel=1e-5)
     assert out.num_tokens.item() == float(blocks.label_valid.sum())
+
+
+def test_causal_layout_shows_true_tokens_then_one_mask_per_slot():
+    input_ids = torch.arange(12).view(1, 12) + 10
+    loss_mask = torch.ones(1, 12, dtype=torch.bool)
+    loss_mask[0, :5] = False
+    blocks = build_causal_block_inputs(
+        input_ids=input_ids, loss_mask=loss_mask, lengths=torch.tensor([12]), anchors=torch.tensor([[3, 6]]),
+        anchor_valid=torch.tensor([[True, True]]), block_size=BLOCK, mask_token_id=MASK_ID,
+    )
+    # Per block: anchor and the true tokens of slots 1..2 (positions a..a+2), then masks for slots 1..3.
+    assert blocks.block_ids.tolist() == [[13, 14, 15, MASK_ID, MASK_ID, MASK_ID, 16, 17, 18, MASK_ID, MASK_ID, MASK_ID]]
+    assert blocks.position_ids[0, 12:].tolist() == [3, 4, 5, 4, 5, 6, 6, 7, 8, 7, 8, 9]
+    inner = blocks.attention_mask[0, 0, :6, 12:18].int().tolist()
+    assert inner == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],  # shown: causal
+                     [1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 1]]  # mask k: shown < k, itself
+    assert not blocks.attention_mask[0, 0, :6, 18:].any()  # blocks never see each other
+    assert blocks.attention_mask[0, 0, 6, :12].tolist() == [True] * 6 + [False] * 6  # context before the anchor
+    # Labels are those of the parallel layout: slot k -> token a+k where it is in the loss.
+    assert blocks.labels.tolist() == [[[13, 14, 15, 16], [16, 17, 18, 19]]]
+    assert blocks.label_valid.tolist() == [[[False, False, True, True], [False, True, True, True]]]
+
+
+def test_causal_layout_trains_every_pass_as_cached_causal_decoding_drafts_it():
+    # Each mask slot k of the training layout must compute what decoding computes in pass k: the block
+    # [anchor, true tokens of slots 1..k-1, masks] drafted causally after a cached context, through the
+    # sliding window too. A mismatch would train passes that decoding never runs.
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=BLOCK,
+                                      denoise_passes=BLOCK - 1, causal_passes=True)).eval()
+    embed, _ = frozen_target_weights()
+    seq = 24
+    features = torch.randn(1, seq, K_LAYERS * HIDDEN)
+    input_ids = torch.randint(0, MASK_ID, (1, seq))
+    anchors = torch.tensor([[4, 9, 17]])
+    blocks = build_causal_block_inputs(
+        input_ids=input_ids, loss_mask=torch.ones(1, seq, dtype=torch.bool), lengths=torch.tensor([seq]),
+        anchors=anchors, anchor_valid=torch.ones(1, 3, dtype=torch.bool), block_size=BLOCK, mask_token_id=MASK_ID)
+    with torch.no_grad():
+        trained = model(features, F.embedding(blocks.block_ids, embed), blocks.position_ids, blocks.attention_mask)
+        trained = trained.view(1, 3, 2 * BLOCK - 2, HIDDEN)[:, :, BLOCK - 1:]  # the masks of slots 1..bs-1
+        for n, a in enumerate(anchors[0].tolist()):
+            cache = DraftContextCache(len(model.layers))
+            for k in range(1, BLOCK):
+                block = torch.full((1, BLOCK), MASK_ID)
+                block[0, :k] = input_ids[0, a : a + k]
+                ctx = features[:, :a] if k == 1 else features[:, :0]  # later passes read the cached context
+                positions = torch.arange(a - ctx.shape[1], a + BLOCK)[None]
+                out = model(ctx, F.embedding(block, embed), positions,
+                            causal_block_mask(len(cache) + ctx.shape[1], BLOCK), context_cache=cache)
+                torch.testing.assert_close(out[0, k], trained[0, n, k - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_passes_travel_with_the_saved_drafter(tmp_path):
+    torch.manual_seed(0)
+    save_drafter(tmp_path, DFlashDrafter(tiny_config(denoise_passes=BLOCK - 1, causal_passes=True)))
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["causal_passes"] is True
+    assert load_drafter(tmp_path).causal_passes and not tiny_drafter().causal_passes
+    with pytest.raises(ValueError, match="causal_passes"):
+        tiny_config(denoise_passes=1, causal_passes=True)  # a pass would read slots drafted beside masks
 
 
 def test_slot_zero_has_no_weight():

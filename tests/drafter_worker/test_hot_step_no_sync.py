@@ -20,7 +20,8 @@ STEPS = 12
 
 
 def make_trainer(**overrides) -> DrafterTrainer:
-    model = tiny_drafter(0)
+    causal = overrides.get("causal_passes", False)
+    model = tiny_drafter(0, denoise_passes=BLOCK - 1, causal_passes=True) if causal else tiny_drafter(0)
     cfg = DrafterConfig(block_size=BLOCK, anchors_per_sequence=3, warmup_steps=3, max_steps=STEPS, grad_clip=0.5,
                         **overrides)
     return DrafterTrainer(cfg, model, make_optimizer(cfg, model), torch.Generator().manual_seed(0), step=0)
@@ -41,7 +42,8 @@ def received_batch():
     return features, input_ids, loss_mask, lengths, embed, head
 
 
-@pytest.mark.parametrize("overrides", [{}, {"reveal_fraction": 0.5}], ids=["masked-blocks", "revealed-prefixes"])
+@pytest.mark.parametrize("overrides", [{}, {"reveal_fraction": 0.5}, {"causal_passes": True, "denoise_passes": BLOCK - 1}],
+                         ids=["masked-blocks", "revealed-prefixes", "causal-passes"])
 def test_hot_step_snapshot_and_deferred_read_make_no_host_reads(overrides):
     trainer = make_trainer(**overrides)
     batch = received_batch()

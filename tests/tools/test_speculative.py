@@ -225,13 +225,13 @@ def test_rejection_sampling_keeps_the_target_distribution():
     torch.testing.assert_close(counts / trials, p, rtol=0, atol=0.04)
 
 
-def make_denoising_drafter(passes: int) -> DFlashDrafter:
+def make_denoising_drafter(passes: int, causal: bool = False) -> DFlashDrafter:
     config = make_drafter_config(
         hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
         num_hidden_layers=2, num_target_layers=LAYERS, target_layer_ids=build_target_layer_ids(LAYERS, 2),
         block_size=BLOCK, mask_token_id=VOCAB - 1, denoise_passes=passes, draft_vocab_size=128,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=BLOCK,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=BLOCK, causal_passes=causal,
     )
     torch.manual_seed(5)
     drafter = DFlashDrafter(config).eval()
@@ -274,6 +274,37 @@ def test_denoising_passes_show_each_fixed_draft_to_the_next_pass(target):
     with pytest.raises(ValueError, match="denoise_passes"):
         DFlashProposer(drafter, embed, head, denoise_passes=BLOCK)
 
+
+
+def test_causal_passes_draft_each_slot_seeing_only_the_drafts_before_it(target):
+    # A drafter trained with drafter.causal_passes: pass i fixes slot i + 1 and every slot sees only the
+    # slots up to itself, so each slot's logits equal an uncached causal pass over the whole context and
+    # the block [anchor, earlier drafts, masks]; the output stays exactly greedy.
+    from drafter_worker.model.modeling_dflash import causal_block_mask
+
+    drafter = make_denoising_drafter(passes=BLOCK - 1, causal=True)
+    proposer = dflash_proposer(target, drafter)
+    calls = record_proposals(proposer)
+    prompt = PROMPTS[1]
+    spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
+    assert spec.tokens == plain_generate(target, prompt, max_new_tokens=17).tokens
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    rows = head[drafter.draft_vocab]
+    with torch.no_grad():
+        features = target_features(target(torch.tensor([prompt + spec.tokens]), output_hidden_states=True).hidden_states,
+                                   drafter.target_layer_ids)
+        assert len(calls) >= 3 and any(logits.shape[0] == BLOCK - 1 for _, _, logits in calls)
+        for anchor, start, logits in calls:
+            block = torch.full((1, BLOCK), drafter.mask_token_id)
+            block[0, 0] = anchor
+            for slot in range(1, logits.shape[0] + 1):
+                out = drafter(features[:, :start], F.embedding(block, embed), torch.arange(start + BLOCK)[None],
+                              causal_block_mask(start, BLOCK))
+                expected = F.linear(out[0, slot], rows)
+                torch.testing.assert_close(logits[slot - 1, drafter.draft_vocab], expected, rtol=1e-4, atol=1e-4)
+                block[0, slot] = int(drafter.draft_vocab[expected.argmax()])
+    with pytest.raises(ValueError, match="causally"):  # fewer passes would read slots drafted beside masks
+        DFlashProposer(drafter, embed, head, denoise_passes=1)
 
 
 def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(target):
