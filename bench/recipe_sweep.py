@@ -11,7 +11,9 @@ the cosine spans the steps the budget allows at the variant's own pace,
 estimated from its first steps), and is evaluated with real speculative
 decoding against the target on held-out prompts, plain greedy timed side by
 side. ``docs/recipe.md``'s table of settings was measured with it; the recipe
-itself then runs in the real pipeline (``make quality``).
+itself then runs in the real pipeline (``make quality``). ``--time-steps N``
+only times each variant's training step on one real batch, round-robin, as
+ratios to the first variant's.
 """
 
 from __future__ import annotations
@@ -239,6 +241,9 @@ def main() -> int:
     p.add_argument("--denoise-passes", type=int, default=1,
                    help="also score the decoding walk with blocks drafted in this many denoising passes")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--time-steps", type=int, default=0,
+                   help="only time each variant's training step (this many steps a round, 5 rounds, round-robin) "
+                        "and print its ratio to the first variant's")
     p.add_argument("--out", type=Path, default=Path("bench/recipe_sweep.jsonl"))
     p.add_argument("--feature-dir", default="/tmp/dflash-sweep", help="captured features are kept here between runs")
     args = p.parse_args()
@@ -277,7 +282,9 @@ def main() -> int:
     trained_on = ds.train[: min(n_train, args.train_samples or n_train)]
     ranking = token_ranking(trained_on, loaded.vocab_size, 1 << 15)
     arch = loaded.config
-    for spec in args.variant:
+
+    def build_variant(spec: str):
+        """One variant's settings, features, fresh drafter and trainer, as the sweep trains it."""
         name, _, sets = spec.partition(":")
         # ";" separates settings when a value is a list (layer_types=["a","b"]).
         kvs = [kv for kv in sets.split(";" if ";" in sets else ",") if kv]
@@ -317,6 +324,30 @@ def main() -> int:
             if layer_ids[-1] != loaded.num_layers - 1:
                 raise SystemExit(f"{name}: distill_weight needs the target's last layer captured, not {layer_ids}")
             trainer.teacher_norm = final_norm_weight(loaded.model)
+        return name, overrides, vcfg, layer_ids, feats, model, trainer
+
+    if args.time_steps:
+        # Each variant's drafter step on the same real batch, timed round-robin in this one process:
+        # ratios to the first variant, fair on a shared machine (no training, no evaluation).
+        timed = []
+        for spec in args.variant:
+            name, _, _, _, feats, _, trainer = build_variant(spec)
+            batch = next(batches(trained_on, feats, random.Random(0), args.seqs))
+            for _ in range(2):  # allocator and kernel set-up
+                trainer.train_step(*batch, embed, head)
+            timed.append((name, trainer, batch, []))
+        for _ in range(5):
+            for name, trainer, batch, runs in timed:
+                t0 = time.perf_counter()
+                for _ in range(args.time_steps):
+                    trainer.train_step(*batch, embed, head)
+                runs.append((time.perf_counter() - t0) / args.time_steps)
+        base = min(timed[0][3])
+        for name, _, _, runs in timed:
+            print(json.dumps({"variant": name, "step_ms": round(1000 * min(runs)), "x_first": round(min(runs) / base, 2)}))
+        return 0
+    for spec in args.variant:
+        name, overrides, vcfg, layer_ids, feats, model, trainer = build_variant(spec)
         data = batches(trained_on, feats, random.Random(vcfg.seed), args.seqs)
         # Schedule: estimate the budget's steps from the first 3 steps' pace.
         budget = args.minutes * 60
