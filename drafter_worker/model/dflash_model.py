@@ -583,6 +583,15 @@ def build_block_inputs(
     )
 
 
+def _causal_block_visibility(offsets: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+    """Bool ``[W, W]`` inside one causal-layout block: a shown key at offset o is seen by a shown
+    query at offset >= o and by the mask of slot > o; a mask key only by itself."""
+    qo, ko = offsets[:, None], offsets[None, :]
+    q_mask, k_mask = is_mask[:, None], is_mask[None, :]
+    eye = torch.eye(len(offsets), dtype=torch.bool, device=offsets.device)
+    return (~k_mask & ((~q_mask & (ko <= qo)) | (q_mask & (ko < qo)))) | (k_mask & eye)
+
+
 def build_causal_block_inputs(
     *,
     input_ids: torch.Tensor,
@@ -624,12 +633,7 @@ def build_causal_block_inputs(
     slot_anchor = anchors[:, :, None].expand(bsz, num, width).reshape(bsz, q_len)
     j = torch.arange(seq, device=device)
     ctx_visible = (j[None, None, :] < slot_anchor[:, :, None]) & (j[None, None, :] < lengths[:, None, None])
-    # Inside a block: a shown key at offset o is seen by a shown query at offset >= o and by the mask
-    # of slot > o; a mask key only by itself.
-    qo, ko = offsets[:, None], offsets[None, :]
-    q_mask, k_mask = is_mask[:, None], is_mask[None, :]
-    eye = torch.eye(width, dtype=torch.bool, device=device)
-    inner = (~k_mask & ((~q_mask & (ko <= qo)) | (q_mask & (ko < qo)))) | (k_mask & eye)
+    inner = _causal_block_visibility(offsets, is_mask)
     slot_block = torch.arange(q_len, device=device) // width
     slot_in = torch.arange(q_len, device=device) % width
     same_block = (slot_block[:, None] == slot_block[None, :]) & inner[slot_in[:, None], slot_in[None, :]]
