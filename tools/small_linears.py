@@ -1,31 +1,30 @@
-"""Faster linear layers for CPU decoding, where a step multiplies 1 to 4 rows.
+"""Faster linear layers for CPU decoding, where a step multiplies 1 to 16 rows.
 
 PyTorch's CPU BLAS can take a slow path in ``F.linear`` for few rows, and
-whether it does depends on the machine. Measured per product with SmolLM2's
-shapes (median of hundreds, microseconds, 2 threads; ``W @ x^T`` computed as
-``torch.mm(W, x.t()).t()``, one row padded to two) on two of the machines this
-project runs on:
+whether it does depends on the machine and the row count. ``W @ x^T``
+(``torch.mm(W, x.t())``, one row padded to two) often avoids it. Measured per
+product with SmolLM2's shapes, each timed over all 30 (60) layers' weights of
+that shape so they stream from memory as in a forward pass (microseconds a
+product, 2 threads, session 21's machine):
 
-=================  ======================  ======================
-weight             machine A (session 10)  machine B (session 17)
-                   1 row / 4 rows:         1 row / 4 rows:
-                   F.linear vs W @ x^T     F.linear vs W @ x^T
-=================  ======================  ======================
-576 x 576          38 vs 65 / 82 vs 70     13 vs 49 / 42 vs 48
-1536 x 576         97 vs 144 / 211 vs 179  35 vs 123 / 54 vs 123
-49152 x 576 (head) 10,853 vs 4,655 /       3,068 vs 12,419 /
-                   18,728 vs 5,422         7,626 vs 12,297
-=================  ======================  ======================
+=================  ==================  ==================  ==================
+weight             1 row:              2 rows:             5 rows:
+                   F.linear vs W@x^T   F.linear vs W@x^T   F.linear vs W@x^T
+=================  ==================  ==================  ==================
+576 x 576          108 vs 46           163 vs 53           117 vs 70
+1536 x 576         293 vs 115          450 vs 114          341 vs 170
+576 x 1536         204 vs 119          325 vs 114          274 vs 295
+49152 x 576 (head) 9,538 vs 2,792      21,855 vs 3,092     17,049 vs 5,192
+=================  ==================  ==================  ==================
 
-On A the LM head is 2-3x faster through ``W @ x^T``; on B it is 2-4x slower.
-So :func:`small_row_linear` times both once per shape (rows, weight shape,
-dtype) on first use, in the process that decodes, and keeps the faster. A
-speculative step verifies a few tokens while plain decoding feeds one, so
-this matters most to verification, but both decoders get it:
-:func:`small_row_linears` patches the modules of a model, and evaluation
-applies it to the target and drafter for the speculative and the plain run
-alike. Results equal ``F.linear`` up to floating-point summation order. CUDA
-modules are left alone.
+Timed one matrix alone, from the cache, the picture changes (576 x 576, 1 row:
+28 vs 50), and on another machine (session 17) the head was 2-4x slower
+through ``W @ x^T``. So :func:`small_row_linear` times both once per shape
+(rows, weight shape, dtype) on first use, in the process that decodes, over
+every weight of that shape in the models :func:`small_row_linears` patched,
+and keeps the faster. Plain and speculative decoding both get it: evaluation
+patches the target and the drafter for both runs alike. Results equal
+``F.linear`` up to floating-point summation order. CUDA modules are left alone.
 """
 
 from __future__ import annotations
@@ -40,29 +39,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 4  # above this F.linear was as fast or faster on every machine measured
+MAX_ROWS = 16  # a CPU verifies blocks of up to 16 tokens; the calibration picks the path for each row count
 CALIBRATION_ROUNDS = 7  # interleaved timings of each path per shape, the median decides
 
 # (rows, out features, in features, dtype) -> whether W @ x^T beat F.linear on this machine.
 _prefer_mm: dict[tuple, bool] = {}
+# (out features, in features, dtype) -> the weights of that shape in the models patched now:
+# the calibration runs over all of them, so they stream from memory as in a forward pass.
+_weights_by_shape: dict[tuple, list[torch.Tensor]] = {}
 
 
 def _mm(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = flat.shape[0]
     if rows == 1:  # one row alone takes the slow GEMV path; padded to two it does not
         flat = torch.cat([flat, flat])
-    return torch.mm(weight, flat.t()).t()[:rows]
+    # Contiguous rows, as F.linear gives: the next layer would read a transposed view slowly.
+    return torch.mm(weight, flat.t()).t()[:rows].contiguous()
 
 
 def _faster_is_mm(flat: torch.Tensor, weight: torch.Tensor) -> bool:
     key = (flat.shape[0], *weight.shape, weight.dtype)
     if key not in _prefer_mm:
+        # Over every patched weight of the shape: one matrix alone sits in the cache (see above).
+        weights = _weights_by_shape.get(key[1:]) or [weight]
         times: dict[str, list[float]] = {"linear": [], "mm": []}
-        paths = {"linear": lambda: F.linear(flat, weight), "mm": lambda: _mm(flat, weight)}
+        paths = {"linear": lambda w: F.linear(flat, w), "mm": lambda w: _mm(flat, w)}
         for round_ in range(CALIBRATION_ROUNDS + 1):  # the first round warms up
             for name, path in paths.items():
                 began = time.perf_counter()
-                path()
+                for w in weights:
+                    path(w)
                 if round_:
                     times[name].append(time.perf_counter() - began)
         _prefer_mm[key] = statistics.median(times["mm"]) < statistics.median(times["linear"])
@@ -94,13 +100,18 @@ def small_row_linears(*models: Any) -> Iterator[int]:
     Yields how many layers were patched; each module's own ``forward`` comes back on exit.
     """
     patched: list[nn.Linear] = []
+    outer_weights = dict(_weights_by_shape)
     try:
         for model in models:
             for module in model.modules():
                 if type(module) is nn.Linear and module.weight.device.type == "cpu" and "forward" not in vars(module):
                     module.forward = _forward.__get__(module)
                     patched.append(module)
+                    weight = module.weight.detach()
+                    _weights_by_shape.setdefault((*weight.shape, weight.dtype), []).append(weight)
         yield len(patched)
     finally:
         for module in patched:
             del module.forward
+        _weights_by_shape.clear()
+        _weights_by_shape.update(outer_weights)

@@ -457,9 +457,11 @@ class DFlashProposer:
                              f"positions, but the anchor is at {start}")
         dtype = self.drafter.fc.weight.dtype
         device = self.drafter.fc.weight.device
+        features = features.to(device=device, dtype=dtype)
+        if self.drafter.causal_passes:
+            return self._propose_causal(features, anchor, start, num_draft)
         block = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
-        features = features.to(device=device, dtype=dtype)
         # Always the full block the drafter was trained on, even when fewer drafts are needed.
         positions = torch.arange(start - ctx_new, start + self.block_size, device=device)[None]
         logits = self._pass(features, block, positions, 0, num_draft)
@@ -471,6 +473,29 @@ class DFlashProposer:
             later = self._pass(features[:, :0], block, positions[:, ctx_new:], fixed, num_draft)
             logits = torch.cat([logits[:fixed], later])
         # A step verifies one draft at least.
+        return self._full_vocab(logits[: max(1, self._confident_drafts(logits))])
+
+    def _propose_causal(self, features: torch.Tensor, anchor: int, start: int, num_draft: int) -> torch.Tensor:
+        """A causally drafted block, one slot a pass: pass k feeds the token of slot k - 1 (the anchor
+        first) and the mask of slot k; the token's keys/values stay cached for the later passes, so
+        no pass recomputes the block (a CPU pass costs what its rows cost)."""
+        device = features.device
+        pair = torch.full((1, 2), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        token, rows = anchor, []
+        self.cache.keep_block = 1
+        try:
+            for slot in range(1, num_draft + 1):
+                pair[0, 0] = token
+                positions = torch.arange(start + slot - 1 - features.shape[1], start + slot + 1, device=device)[None]
+                rows.append(self._pass(features, pair, positions, 0, 1)[0])
+                features = features[:, :0]  # the context is cached now
+                if self._confident_drafts(torch.stack(rows)) < slot:
+                    break  # this slot is cut: drafting the next cannot pay
+                token = self._token(rows[-1])
+        finally:
+            self.cache.keep_block = 0
+            self.cache.crop(start)  # the drafts' keys/values go; the verified context comes next
+        logits = torch.stack(rows)
         return self._full_vocab(logits[: max(1, self._confident_drafts(logits))])
 
     def _confident_drafts(self, logits: torch.Tensor) -> int:

@@ -197,12 +197,18 @@ class DraftContextCache:
     Each layer's keys and values live in one buffer that doubles when full, so a
     pass copies only its new positions: concatenating the whole cache every pass
     took a third of a draft pass on a CPU.
+
+    ``keep_block`` > 0 also keeps that many leading block positions of each pass: a causally
+    drafted block (``causal_passes``) feeds one shown token and the slot to draft a pass, and
+    the token's keys/values serve every later pass, so a pass costs two positions, not the
+    block; the caller crops them off before the next verified context arrives.
     """
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self._length = 0
+        self.keep_block = 0
 
     def __len__(self) -> int:
         """Context positions cached."""
@@ -236,7 +242,7 @@ class DraftContextCache:
         buf_k[:, :, cached:total] = k
         buf_v[:, :, cached:total] = v
         if layer_idx == len(self.keys) - 1:  # every layer has stored this pass's context
-            self._length = cached + ctx_len
+            self._length = cached + ctx_len + self.keep_block
         return buf_k[:, :, :total], buf_v[:, :, :total]
 
 

@@ -69,3 +69,24 @@ def test_each_shape_is_timed_once_and_its_choice_kept(monkeypatch):
         small_row_linear(torch.randn(rows, 16), weight, None)
     assert sorted(small_linears._prefer_mm) == [(1, WIDE, 16, torch.float32), (3, WIDE, 16, torch.float32)]
     assert all(isinstance(v, bool) for v in small_linears._prefer_mm.values())
+
+
+def test_calibration_streams_every_patched_weight_of_the_shape(monkeypatch):
+    # Timed on one matrix the weights sit in the cache; a forward pass reads each layer's from memory.
+    monkeypatch.setattr(small_linears, "_prefer_mm", {})
+    model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)), nn.Linear(16, 8, bias=False))
+    timed: list[int] = []
+    real_mm = small_linears._mm
+
+    def recording(flat, weight):
+        timed.append(weight.data_ptr())
+        return real_mm(flat, weight)
+
+    monkeypatch.setattr(small_linears, "_mm", recording)
+    with small_row_linears(model), torch.inference_mode():
+        out = model[0](torch.randn(2, 16))
+    square = {layer.weight.data_ptr() for layer in model[:3]}
+    calibrated = set(timed[: -1 if small_linears._prefer_mm[(2, 16, 16, torch.float32)] else None])
+    assert calibrated == square  # the other shape's weight is not among them
+    assert out.is_contiguous()  # rows as F.linear lays them out, whichever path ran
+    assert small_linears._weights_by_shape == {}  # released with the patch

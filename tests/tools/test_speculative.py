@@ -307,11 +307,12 @@ def test_causal_passes_draft_each_slot_seeing_only_the_drafts_before_it(target):
         DFlashProposer(drafter, embed, head, denoise_passes=1)
 
 
-def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(target):
+@pytest.mark.parametrize("causal", [False, True], ids=["denoising", "causal"])
+def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(target, causal):
     # The drafts end before the first slot whose chain probability (the product of the top
     # probabilities of it and every slot before it) is below draft_confidence; no pass refines
     # the slots cut, and the drafts kept are those of full decoding.
-    drafter = make_denoising_drafter(passes=BLOCK - 1)
+    drafter = make_denoising_drafter(passes=BLOCK - 1, causal=causal)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     prompt = PROMPTS[2]
     with torch.no_grad():
