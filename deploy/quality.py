@@ -11,11 +11,13 @@ recipe's cosine, ``drafter.decay_minutes``, ends there on the drafter's own
 clock), or earlier when the target has served the recipe's epochs. Then a final
 evaluation on held-out prompts (target-generated answers the drafter never
 trained on) measures tau, acceptance per block position and speculative vs
-plain greedy tokens/s side by side, and a second one does it again with each
-step's drafts cut where the drafter's own confidence falls below
-``--draft-confidence`` (0.3 for a CPU target, where each verified token costs);
-the drafter is exported; the summary is printed and written to
-``<run>/summary.json``.
+plain greedy tokens/s side by side, verifying every draft of the block; a
+second one does it again the way the target's device decodes fastest: on a
+CPU, where every verified token costs, only the first ``--draft-tokens`` drafts
+of each block (1: the target over two tokens costs about one plain step, over
+five 1.5), optionally cut where the drafter's own confidence falls below
+``--draft-confidence``. The drafter is exported; the summary is printed and
+written to ``<run>/summary.json``.
 """
 
 from __future__ import annotations
@@ -36,20 +38,26 @@ from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
 
 TRAIN_MINUTES = 50.0  # training stops this long after the start; the hour holds it with evaluation and export
-# On a CPU every verified token costs: drafts the drafter gives less than this chance of being right
-# (with all before them) cost more than they win (docs/recipe.md). A GPU verifies a block for the price of a token.
-CPU_DRAFT_CONFIDENCE = 0.3
+# On a CPU every verified token costs: the target over 2 tokens takes about one plain step, over 3-4
+# 1.25 and over 5 1.5, so one draft a step is the fastest decoding there (docs/recipe.md, session 22).
+# A GPU verifies a block for the price of a token.
+CPU_DRAFT_TOKENS = 1
 DRAFTER_STOP_TIMEOUT_S = 120.0  # drafters stopped by --train-minutes checkpoint first
 FINAL_EVAL_TIMEOUT_S = 3600.0
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, draft_confidence: float = 0.0) -> dict | None:
-    name = f"final-{drafter_id}" + ("-cut" if draft_confidence else "")
+def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, *, short: bool = False) -> dict | None:
+    """The final evaluation: every draft of the block verified, or (``short``) the device's fastest decoding."""
+    name = f"final-{drafter_id}" + ("-short" if short else "")
     out = tools.run_dir / "eval" / f"{name}.json"
     cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
-           "--threads", str(args.eval_threads), "--draft-confidence", str(draft_confidence), "--json", str(out)]
+           "--threads", str(args.eval_threads), "--json", str(out)]
+    if short:
+        cmd += ["--draft-confidence", str(args.draft_confidence)]
+        if args.draft_tokens:
+            cmd += ["--draft-tokens", str(args.draft_tokens)]
     code = tools.run(f"eval-{name}", cmd, FINAL_EVAL_TIMEOUT_S)
     if code != 0 or not out.is_file():
         print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {tools.log_dir}", file=sys.stderr)
@@ -93,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
     parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
-    parser.add_argument("--draft-confidence", type=float,
-                        help="also evaluate with each step's drafts cut where the drafter's own chance that all "
-                             f"of them are right falls below this (default {CPU_DRAFT_CONFIDENCE:g} for a CPU "
-                             "target, else 0 = no second evaluation)")
+    parser.add_argument("--draft-tokens", type=int,
+                        help="also evaluate verifying only the first N drafts of each block (default "
+                             f"{CPU_DRAFT_TOKENS} for a CPU target, else 0 = the whole block)")
+    parser.add_argument("--draft-confidence", type=float, default=0.0,
+                        help="in that evaluation also end each step's drafts where the drafter's own chance that "
+                             "all of them are right falls below this (default 0 = never)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -104,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"quality: config error: {exc}", file=sys.stderr)
         return 2
-    if args.draft_confidence is None:
-        args.draft_confidence = CPU_DRAFT_CONFIDENCE if cfg.target.device == "cpu" else 0.0
+    if args.draft_tokens is None:
+        args.draft_tokens = CPU_DRAFT_TOKENS if cfg.target.device == "cpu" else 0
+    if not 0 <= args.draft_tokens < cfg.drafter.block_size:
+        print(f"quality: --draft-tokens must be in 0..{cfg.drafter.block_size - 1} for the recipe's block of "
+              f"{cfg.drafter.block_size}, got {args.draft_tokens}", file=sys.stderr)
+        return 2
     if not 0.0 <= args.draft_confidence < 1.0:
         print(f"quality: --draft-confidence must be in [0, 1), got {args.draft_confidence}", file=sys.stderr)
         return 2
+    short_eval = bool(args.draft_tokens or args.draft_confidence)
     source = Path(cfg.data.source)
     # A file or dataset directory of the checkout must be there; any other source (a hub
     # dataset name, an absolute path) is the target's to resolve and report.
@@ -167,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     with Job(None, run_dir) as tools:
         for drafter_id in drafter_ids:
             report = _eval_final(tools, drafter_id, args)
-            cut = _eval_final(tools, drafter_id, args, args.draft_confidence) if args.draft_confidence else None
+            short = _eval_final(tools, drafter_id, args, short=True) if short_eval else None
             export = _export(tools, drafter_id)
-            results[drafter_id] = {"report": report, "cut": cut, "export": str(export) if export else None,
+            results[drafter_id] = {"report": report, "short": short, "export": str(export) if export else None,
                                    "tau_curve": _eval_curve(run_dir, drafter_id)}
     total_minutes = (time.monotonic() - started) / 60.0
     lines, ok = summarize(run_dir)
@@ -193,16 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
               f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
-        cut = result["cut"]
-        if args.draft_confidence and cut is None:
+        short = result["short"]
+        if short_eval and short is None:
             ok = False
-            print("    no evaluation with cut drafts")
-        if cut is not None:
-            print(f"    drafts cut below confidence {cut['draft_confidence']:g} ({cut['drafts_per_step']:.2f} verified a "
-                  f"step instead of {report['drafts_per_step']:.2f}): tau {cut['tau']:.3f}, speculative "
-                  f"{cut['spec_tokens_per_s']:.1f} tok/s vs plain greedy {cut['plain_tokens_per_s']:.1f} tok/s: "
-                  f"{cut['speedup']:.2f}x")
-        for r in (report, cut or {}):
+            print("    no evaluation with fewer drafts a step")
+        if short is not None:
+            how = [f"the first {short['draft_tokens']} draft{'s' if short['draft_tokens'] > 1 else ''} of each block"]
+            if short["draft_confidence"]:
+                how.append(f"cut below confidence {short['draft_confidence']:g}")
+            print(f"    verifying {', '.join(how)} ({short['drafts_per_step']:.2f} a step instead of "
+                  f"{report['drafts_per_step']:.2f}): tau {short['tau']:.3f}, speculative "
+                  f"{short['spec_tokens_per_s']:.1f} tok/s vs plain greedy {short['plain_tokens_per_s']:.1f} tok/s: "
+                  f"{short['speedup']:.2f}x")
+        for r in (report, short or {}):
             if r.get("greedy_mismatches"):
                 print(f"    WARNING: {r['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
         curve = result["tau_curve"]
@@ -215,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }
-        if cut is not None:
-            summary["drafters"][drafter_id]["cut_drafts"] = {
-                k: cut[k] for k in ("draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
-                                    "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
+        if short is not None:
+            summary["drafters"][drafter_id]["fewer_drafts"] = {
+                k: short[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
+                                      "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
     for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
         print(f"  {line}")
     if plots:

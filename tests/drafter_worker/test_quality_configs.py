@@ -53,3 +53,21 @@ def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     assert len(prompts) == len(set(prompts)) > 2000
     shipped = [json.loads(line)["prompt"] for line in (REPO / "data" / "prompts.jsonl").read_text().splitlines()]
     assert shipped == prompts
+
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--draft-tokens", "5"], "--draft-tokens must be in 0..4"),
+    (["--draft-tokens", "-1"], "--draft-tokens must be in 0..4"),
+    (["--draft-confidence", "1"], "--draft-confidence must be in [0, 1)"),
+])
+def test_quality_rejects_decoding_settings_the_recipe_cannot_run_before_touching_the_run(argv, message, tmp_path,
+                                                                                       capsys):
+    from deploy.quality import main
+
+    earlier = tmp_path / "quality" / "summary.json"  # an earlier run's results survive a rejected command
+    earlier.parent.mkdir()
+    earlier.write_text("{}")
+    assert main(["--set", f"run.root_dir={tmp_path}", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert earlier.read_text() == "{}"
