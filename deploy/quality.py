@@ -47,14 +47,14 @@ FINAL_EVAL_TIMEOUT_S = 3600.0
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, *, short: bool = False) -> dict | None:
-    """The final evaluation: every draft of the block verified, or (``short``) the device's fastest decoding."""
-    name = f"final-{drafter_id}" + ("-short" if short else "")
+def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, *, fewer: bool = False) -> dict | None:
+    """The final evaluation: every draft of the block verified, or (``fewer``) the device's fastest decoding."""
+    name = f"final-{drafter_id}" + ("-fewer" if fewer else "")
     out = tools.run_dir / "eval" / f"{name}.json"
     cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(args.eval_prompts), "--max-new-tokens", str(args.eval_tokens),
            "--threads", str(args.eval_threads), "--json", str(out)]
-    if short:
+    if fewer:
         cmd += ["--draft-confidence", str(args.draft_confidence)]
         if args.draft_tokens:
             cmd += ["--draft-tokens", str(args.draft_tokens)]
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.draft_confidence < 1.0:
         print(f"quality: --draft-confidence must be in [0, 1), got {args.draft_confidence}", file=sys.stderr)
         return 2
-    short_eval = bool(args.draft_tokens or args.draft_confidence)
+    fewer_eval = bool(args.draft_tokens or args.draft_confidence)
     source = Path(cfg.data.source)
     # A file or dataset directory of the checkout must be there; any other source (a hub
     # dataset name, an absolute path) is the target's to resolve and report.
@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     with Job(None, run_dir) as tools:
         for drafter_id in drafter_ids:
             report = _eval_final(tools, drafter_id, args)
-            short = _eval_final(tools, drafter_id, args, short=True) if short_eval else None
+            fewer = _eval_final(tools, drafter_id, args, fewer=True) if fewer_eval else None
             export = _export(tools, drafter_id)
-            results[drafter_id] = {"report": report, "short": short, "export": str(export) if export else None,
+            results[drafter_id] = {"report": report, "fewer": fewer, "export": str(export) if export else None,
                                    "tau_curve": _eval_curve(run_dir, drafter_id)}
     total_minutes = (time.monotonic() - started) / 60.0
     lines, ok = summarize(run_dir)
@@ -208,19 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
               f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
-        short = result["short"]
-        if short_eval and short is None:
+        fewer = result["fewer"]
+        if fewer_eval and fewer is None:
             ok = False
             print("    no evaluation with fewer drafts a step")
-        if short is not None:
-            how = [f"the first {short['draft_tokens']} draft{'s' if short['draft_tokens'] > 1 else ''} of each block"]
-            if short["draft_confidence"]:
-                how.append(f"cut below confidence {short['draft_confidence']:g}")
-            print(f"    verifying {', '.join(how)} ({short['drafts_per_step']:.2f} a step instead of "
-                  f"{report['drafts_per_step']:.2f}): tau {short['tau']:.3f}, speculative "
-                  f"{short['spec_tokens_per_s']:.1f} tok/s vs plain greedy {short['plain_tokens_per_s']:.1f} tok/s: "
-                  f"{short['speedup']:.2f}x")
-        for r in (report, short or {}):
+        if fewer is not None:
+            how = [f"the first {fewer['draft_tokens']} draft{'s' if fewer['draft_tokens'] > 1 else ''} of each block"]
+            if fewer["draft_confidence"]:
+                how.append(f"cut below confidence {fewer['draft_confidence']:g}")
+            print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} a step instead of "
+                  f"{report['drafts_per_step']:.2f}): tau {fewer['tau']:.3f}, speculative "
+                  f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
+                  f"{fewer['speedup']:.2f}x")
+        for r in (report, fewer or {}):
             if r.get("greedy_mismatches"):
                 print(f"    WARNING: {r['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
         curve = result["tau_curve"]
@@ -233,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }
-        if short is not None:
+        if fewer is not None:
             summary["drafters"][drafter_id]["fewer_drafts"] = {
-                k: short[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
+                k: fewer[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
                                       "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
     for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
         print(f"  {line}")
