@@ -213,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             print("    no evaluation with fewer drafts a step")
         if fewer is not None:
-            how = [f"the first {fewer['draft_tokens']} draft{'s' if fewer['draft_tokens'] > 1 else ''} of each block"]
+            k = fewer["draft_tokens"]
+            how = ["one draft a step" if k == 1 else f"the first {k} drafts of each block"]
             if fewer["draft_confidence"]:
                 how.append(f"cut below confidence {fewer['draft_confidence']:g}")
-            print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} a step instead of "
+            print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} drafts a step instead of "
                   f"{report['drafts_per_step']:.2f}): tau {fewer['tau']:.3f}, speculative "
                   f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
                   f"{fewer['speedup']:.2f}x")
