@@ -55,7 +55,6 @@ def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     assert shipped == prompts
 
 
-
 @pytest.mark.parametrize("argv, message", [
     (["--draft-tokens", "5"], "--draft-tokens must be in 0..4"),
     (["--draft-tokens", "-1"], "--draft-tokens must be in 0..4"),
