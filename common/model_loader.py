@@ -100,7 +100,8 @@ def _smollm2_source(setting: str) -> tuple[str, str]:
     if spec is None or spec.origin is None:
         raise ModelLoadError(f"{setting}='smollm2' needs the {SMOLLM2_PACKAGE!r} package, which is not installed; "
                              f"install it or pass a .gguf file or model directory instead")
-    directory = Path(spec.origin).parent
+    # Resolved like a .gguf path, so both spellings of the model name one directory.
+    directory = Path(spec.origin).resolve().parent
     if not (directory / SMOLLM2_GGUF).is_file():
         raise ModelLoadError(f"{setting}='smollm2': {SMOLLM2_GGUF} is missing from {directory}; "
                              f"reinstall {SMOLLM2_PACKAGE} or pass a .gguf file instead")
