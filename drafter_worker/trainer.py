@@ -184,7 +184,6 @@ class DrafterTrainer:
         m.add("clipped", (finite & (grad_norm > self.cfg.grad_clip)).float())
         m.add("labels", num_tokens * ok)
 
-
     def warm_up(self, shapes: list[tuple[int, int]], feature_dim: int, embed_weight, lm_head_weight) -> None:
         """Run forward and backward once per batch shape so allocator and kernel set-up are
         not in the first measured step. Leaves weights, optimizer, RNG and metrics untouched."""
