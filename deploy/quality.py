@@ -36,6 +36,7 @@ from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
 from deploy.demo import STOP_TIMEOUT_S, _plots, summarize  # noqa: E402
 from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
+from tools.eval import stderr_text  # noqa: E402
 
 TRAIN_MINUTES = 50.0  # training stops this long after the start; the hour holds it with evaluation and export
 # On a CPU every verified token costs: the target over 2 tokens takes about one plain step, over 3-4
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {drafter_id}: no final evaluation")
             continue
         rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
-        print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f} on {report['num_prompts']} held-out "
-              f"prompts ({report['prompt_source']}, {report['max_new_tokens']} new tokens, block {report['block_size']}"
+        print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
+              f"{report['num_prompts']} held-out prompts ({report['prompt_source']}, {report['max_new_tokens']} new tokens, block {report['block_size']}"
               + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   [(c[0], c[2]) for c in curve]))
         print(f"    exported drafter: {result['export'] or 'export failed'}")
         summary["drafters"][drafter_id] = {
-            "step": report["step"], "tau": report["tau"], "acceptance_rate": report["acceptance_rate"],
+            "step": report["step"], "tau": report["tau"], "tau_stderr": report.get("tau_stderr"),
+            "acceptance_rate": report["acceptance_rate"],
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }

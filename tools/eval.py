@@ -10,7 +10,8 @@ prompts (the conversations ``data.heldout_fraction`` keeps out of training,
 cut before the first assistant turn) or on ``--prompts FILE.jsonl``, and
 reports:
 
-- tau: tokens produced per draft-and-verify step (mean and per prompt);
+- tau: tokens produced per draft-and-verify step (over all prompts, with its
+  standard error over the prompts, and per prompt);
 - acceptance rate per block position;
 - the EAL proxy from training (last ``eal`` of the drafter in ``metrics.jsonl``
   at or before the checkpoint's step; a perfect proxy predicts tau = 1 + EAL);
@@ -293,6 +294,7 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         "drafts_per_step": stats.drafted_total / max(1, stats.steps),
         "drafting_passes_per_step": (proposer.passes_taken - passes_before) / max(1, stats.steps),
         "tau": stats.tau,
+        "tau_stderr": tau_stderr([row["tau"] * row["steps"] for row in per_prompt], [row["steps"] for row in per_prompt]),
         "tau_per_prompt": [row["tau"] for row in per_prompt],
         "acceptance_rate": stats.acceptance_rate(),
         "conditional_acceptance_rate": stats.conditional_acceptance_rate(),
@@ -307,6 +309,17 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         if temperature == 0:
             report["greedy_mismatches"] = mismatches
     return report
+
+
+def tau_stderr(tokens: Sequence[float], steps: Sequence[float]) -> float:
+    """Standard error of tau = sum(tokens) / sum(steps) over prompts (the ratio estimator's,
+    by the delta method): how far another draw of as many prompts would move it. NaN below 2 prompts."""
+    n = len(steps)
+    if n < 2 or not sum(steps):
+        return float("nan")
+    tau = sum(tokens) / sum(steps)
+    spread = sum((y - tau * x) ** 2 for y, x in zip(tokens, steps)) / (n - 1)
+    return math.sqrt(n * spread) / sum(steps)
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
@@ -331,6 +344,12 @@ def metric_values(report: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if not math.isnan(float(v))}
 
 
+def stderr_text(report: dict[str, Any]) -> str:
+    """`` +- 0.045`` (tau's standard error over the prompts), or nothing when it is not known."""
+    err = report.get("tau_stderr")
+    return "" if err is None or math.isnan(err) else f" +- {err:.3f}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     eal = report.get("training_eal")
     rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"])
@@ -338,7 +357,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"=== DFlash eval: {report['run']} drafter {report['drafter']} step {report['step']} ===",
         f"  target: {report['target']}  prompts: {report['num_prompts']} ({report['prompt_source']})  "
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
-        f"  tau: {report['tau']:.3f} tokens/step (block size {report['block_size']}, "
+        f"  tau: {report['tau']:.3f}{stderr_text(report)} tokens/step (block size {report['block_size']}, "
         f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}"
         + (f", drafts cut below confidence {report['draft_confidence']:g}: {report['drafts_per_step']:.2f} "
            f"drafts and {report['drafting_passes_per_step']:.2f} passes a step" if report.get("draft_confidence") else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_
 from common.metrics_client import parse_metrics_record
 from drafter_worker.checkpoint import CheckpointStore, Coverage, TrainerState
 from tests.conftest import free_ports
-from tools.eval import find_checkpoint, main as eval_main, training_eal
+from tools.eval import find_checkpoint, main as eval_main, tau_stderr, training_eal
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,14 @@ def test_training_eal_parses_records_instead_of_searching_lines(tmp_path):
     assert training_eal(tmp_path, "d\u00e9", 3) is None
 
 
+def test_tau_stderr_is_the_ratio_estimators():
+    # tau = 19 / 8 over three prompts; residuals y - tau * x = -1.125, -0.75, 1.875:
+    # sqrt(3 * 5.34375 / 2) / 8. A mean of per-prompt taus or a missing n / (n - 1) gives another value.
+    assert tau_stderr([6, 4, 9], [3, 2, 3]) == pytest.approx(0.3538985, abs=1e-6)
+    assert tau_stderr([6, 4, 9], [3, 2, 4.5]) == 0.0  # every prompt at the same tau: no spread
+    assert math.isnan(tau_stderr([6], [3]))
+
+
 def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
     rc = eval_main([str(run_dir), "--drafter", "d0", "--num-prompts", "2", "--max-new-tokens", "9",
@@ -81,12 +90,14 @@ def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
     assert report["step"] == 10 and report["num_prompts"] == 2
     assert report["greedy_mismatches"] == 0  # speculative == greedy at temperature 0
     assert 1.0 <= report["tau"] <= 4.0 and len(report["tau_per_prompt"]) == 2
+    steps = [row["steps"] for row in report["per_prompt"]]
+    assert report["tau_stderr"] == tau_stderr([t * n for t, n in zip(report["tau_per_prompt"], steps)], steps)
     assert len(report["acceptance_rate"]) == 3
     assert report["training_eal"] == 0.25 and report["tau_predicted_by_eal"] == 1.25
     assert report["generated_tokens"] == 18
     assert report["speedup"] > 0 and report["plain_tokens_per_s"] > 0
     text = capsys.readouterr().out
-    assert "tau:" in text and "speed-up:" in text and "training EAL proxy: 0.250" in text
+    assert "tau:" in text and "speed-up:" in text and f"+- {report['tau_stderr']:.3f}" in text and "training EAL proxy: 0.250" in text
 
 
 def test_draft_confidence_cuts_the_drafts_a_step_verifies(run_dir, tmp_path, capsys):
