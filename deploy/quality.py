@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
         print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
-              f"{report['num_prompts']} held-out prompts ({report['prompt_source']}, {report['max_new_tokens']} new tokens, block {report['block_size']}"
+              f"{report['num_prompts']} held-out prompts ({report['prompt_source']}, "
+              f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
               + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
