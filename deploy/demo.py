@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
 from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
+from tools.eval import stderr_text  # noqa: E402
 
 STOP_TIMEOUT_S = 60.0  # per stage of the shutdown (target, drafters, sidecar), after SIGTERM
 EVAL_TIMEOUT_S = 900.0  # for the short evaluations of measure_tau, all drafters together
@@ -87,7 +88,8 @@ def tau_lines(results: dict[str, dict | None]) -> list[str]:
         eal = report.get("training_eal")
         proxy = f"the training EAL proxy predicts {1 + eal:.2f}" if eal is not None else "no EAL proxy logged"
         rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"][:4])
-        lines.append(f"  drafter/{drafter_id}: measured tau {report['tau']:.2f} ({report['num_prompts']} held-out prompts, "
+        lines.append(f"  drafter/{drafter_id}: measured tau {report['tau']:.2f}{stderr_text(report)} "
+                     f"({report['num_prompts']} held-out prompts, "
                      f"acceptance at positions 1-4: {rates}); {proxy}")
     return lines
 
