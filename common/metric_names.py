@@ -109,6 +109,7 @@ class Eval:
     STEP = "eval/step"  # the evaluated checkpoint's step, added to the window row by the sidecar
     TAU = "eval/tau"
     TAU_MIN = "eval/tau_min"
+    TAU_STDERR = "eval/tau_stderr"
     ACCEPT_POS = Family("eval/accept/pos_", "<k>")
     TOKENS_PER_S = "eval/tokens_per_s"
     SPEEDUP = "eval/speedup"

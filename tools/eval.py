@@ -335,6 +335,7 @@ def metric_values(report: dict[str, Any]) -> dict[str, float]:
     values = {
         Eval.TAU: report["tau"],
         Eval.TAU_MIN: min(report["tau_per_prompt"]),
+        Eval.TAU_STDERR: report["tau_stderr"],
         Eval.TOKENS_PER_S: report["spec_tokens_per_s"],
     }
     for k, rate in enumerate(report["acceptance_rate"], start=1):

@@ -242,13 +242,17 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
         # tau is the product; plotted against wall-clock minutes, the budget a user pays.
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         fig.suptitle(f"measured speculative decoding ({run_dir.name})")
+        banded = False
         for drafter_id, series in evaluated.items():
             for ax, key, label in ((axes[0], Eval.TAU, drafter_id), (axes[1], Eval.ACCEPT_POS(1), f"{drafter_id} pos 1"),
                                    (axes[1], Eval.ACCEPT_POS(2), f"{drafter_id} pos 2")):
                 times, values = series.by_time(key, t0)
                 if times:
-                    ax.plot([t / 60.0 for t in times], values, marker=".", label=label)
-        _axes(axes[0], "tau (tokens per draft-and-verify step)", "minutes since the first record", legend=True)
+                    line, = ax.plot([t / 60.0 for t in times], values, marker=".", label=label)
+                    if key == Eval.TAU:
+                        banded |= _stderr_band(ax, series, t0, line.get_color())
+        _axes(axes[0], "tau (tokens per draft-and-verify step)" + (", shaded +- its standard error" if banded else ""),
+              "minutes since the first record", legend=True)
         _axes(axes[1], "acceptance rate by block position", "minutes since the first record", legend=True)
         save(fig, "eval.png")
 
@@ -302,6 +306,17 @@ def _axes(ax, label: str, xlabel: str | None, legend: bool = False) -> None:
     ax.grid(True, alpha=0.3)
     if legend and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
+
+
+def _stderr_band(ax, series: Series, t0: float, color) -> bool:
+    """Shade tau +- its standard error over the prompts, where an evaluation reported one; True if any did."""
+    pts = sorted((rec["time"] - t0, float(rec["values"][Eval.TAU]), float(rec["values"][Eval.TAU_STDERR]))
+                 for rec in series.records
+                 if _finite(rec["values"].get(Eval.TAU)) and _finite(rec["values"].get(Eval.TAU_STDERR)))
+    if pts:
+        ax.fill_between([t / 60.0 for t, _, _ in pts], [v - e for _, v, e in pts], [v + e for _, v, e in pts],
+                        color=color, alpha=0.2, linewidth=0)
+    return bool(pts)
 
 
 def _position_accuracy(ax, series: Series) -> None:

@@ -125,7 +125,7 @@ def test_eval_watch_pushes_tau_at_the_checkpoint_step(run_dir):
     pull.bind(address)
     try:
         rc = eval_main(["--watch", str(run_dir), "--drafter", "d0", "--every-s", "0.1", "--max-evals", "1",
-                        "--num-prompts", "1", "--max-new-tokens", "5", "--metrics-address", address])
+                        "--num-prompts", "2", "--max-new-tokens", "5", "--metrics-address", address])
         assert rc == 0
         assert pull.poll(10_000), "no metrics record from the watcher"
         record = parse_metrics_record(pull.recv())
@@ -135,6 +135,7 @@ def test_eval_watch_pushes_tau_at_the_checkpoint_step(run_dir):
     assert record.source == "drafter/d0" and record.step == 10
     assert record.values["eval/tau"] >= 1.0
     assert "eval/accept/pos_1" in record.values and "eval/tokens_per_s" in record.values
+    assert record.values["eval/tau_stderr"] >= 0.0  # two prompts: the spread of their taus goes with tau
 
 
 def test_eval_errors(run_dir, tmp_path, capsys):
