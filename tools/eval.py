@@ -22,8 +22,8 @@ At temperature 0 (the default) speculative output must equal the target's
 greedy output; mismatches are counted and reported.
 
 ``--watch`` evaluates each new checkpoint as it appears (training is never
-paused) and pushes ``eval/tau``, ``eval/accept/pos_k`` and
-``eval/tokens_per_s`` to the metrics sidecar as ``drafter/<id>`` at the
+paused) and pushes ``eval/tau``, ``eval/tau_stderr``, ``eval/accept/pos_k``
+and ``eval/tokens_per_s`` to the metrics sidecar as ``drafter/<id>`` at the
 checkpoint's step. Each report is also written to
 ``runs/<name>/eval/<drafter>/step-N.json``.
 
