@@ -125,7 +125,8 @@ def _write_multi_run(run_dir: Path, composed: bool) -> None:
                                      "lr": 1e-3}})
         lines.append({"source": "drafter/d1", "step": step, "time": t, "received_at": 0,
                       "values": {"loss": 9 * math.exp(-step / 20) + 1, "tokens_per_s": 400.0}})
-    lines.append({"source": "drafter/d0", "step": 20, "time": t0 + 30, "received_at": 0, "values": {"eval/tau": 1.4, "eval/tau_stderr": 0.1}})
+    lines.append({"source": "drafter/d0", "step": 20, "time": t0 + 30, "received_at": 0,
+                  "values": {"eval/tau": 1.4, "eval/tau_stderr": 0.1}})
     for n in range(40):
         for r in (0, 1):
             lines.append({"source": f"target/{r}", "step": n, "time": t0 + n * 0.5 + 0.1 * r, "received_at": 0,
