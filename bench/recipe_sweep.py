@@ -304,13 +304,15 @@ def main() -> int:
             num_target_layers=loaded.num_layers, target_layer_ids=layer_ids, block_size=vcfg.block_size,
             mask_token_id=mask_id, draft_vocab_size=vcfg.draft_vocab_size,
             layer_types=vcfg.layer_types, sliding_window=vcfg.sliding_window, denoise_passes=vcfg.denoise_passes,
-            causal_passes=vcfg.causal_passes)
+            causal_passes=vcfg.causal_passes, draft_head=vcfg.train_draft_head)
         torch.manual_seed(vcfg.seed)
         model = DFlashDrafter(config)
         if vcfg.draft_vocab_size:
             ranked = ranking[: vcfg.draft_vocab_size]
             ranked += [t for t in range(loaded.vocab_size) if t not in set(ranked)][: vcfg.draft_vocab_size - len(ranked)]
             model.set_draft_vocab(ranked)
+            if model.draft_head is not None:
+                model.init_draft_head(head)
         fc_from_target = bool(vcfg.init_target_layers) and copy_target_layers(
             model, decoder_layers(loaded.model), vcfg.init_target_layers, layer_ids)
         if vcfg.logit_std_init > 0:

@@ -220,6 +220,7 @@ class DrafterConfig:
     anchors_per_sequence: int = _doc("blocks trained per sequence per step", 4)
     steps_per_batch: int = _doc("optimizer steps on each received batch, each on freshly sampled anchors (the target's forward is the costly part: a drafter that would wait for the next batch trains this one again)", 1)
     draft_vocab_size: int = _doc("score only the K target tokens the training answers use most (their ids come from the target at WELCOME); 0 = the whole vocabulary (the published DFlash layout)", 0)
+    train_draft_head: bool = _doc("the drafter trains its own LM head over the draft vocabulary (EAGLE-3's), starting from the target's rows; the soft-target loss still scores the target on the target's rows. Needs draft_vocab_size > 0; the head is saved with the drafter as `draft_head`", False)
     layer_types: list[str] = _doc("attention type of each drafter layer, 'full_attention' or 'sliding_attention' (num_layers entries); empty = all sliding_attention when sliding_window > 0, else all full_attention", default_factory=list)
     sliding_window: int = _doc("positions a sliding_attention layer sees: a slot at position p attends to keys at |p - k| < sliding_window (0 = no sliding layers; at least block_size)", 0)
     init_from: str = _doc("start a fresh drafter from this exported or published DFlash drafter directory (config.json + model.safetensors; its architecture replaces num_layers/layer_types/sliding_window/draft_vocab_size); ignored when the drafter resumes its own checkpoint", "")
@@ -266,6 +267,9 @@ class DrafterConfig:
         _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)
         _require(1 <= self.steps_per_batch <= 64, "drafter.steps_per_batch", "must be in [1, 64]", self.steps_per_batch)
         _require(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", "must be >= 0", self.draft_vocab_size)
+        _require(not self.train_draft_head or self.draft_vocab_size > 0, "drafter.train_draft_head",
+                 "needs drafter.draft_vocab_size > 0 (the head it trains is the draft vocabulary's)",
+                 self.train_draft_head)
         self._check_attention_layers()
         _require(all(type(i) is int and i >= 0 for i in self.init_target_layers), "drafter.init_target_layers",
                  "must hold target layer indices >= 0", self.init_target_layers)

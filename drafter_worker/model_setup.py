@@ -73,6 +73,7 @@ def fresh_model(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.device) -
         sliding_window=dcfg.sliding_window,
         denoise_passes=dcfg.denoise_passes,
         causal_passes=dcfg.causal_passes,
+        draft_head=dcfg.train_draft_head,
     )
     torch.manual_seed(dcfg.seed)
     model = DFlashDrafter(config).to(device)
@@ -108,11 +109,13 @@ def model_from_init(dcfg: DrafterConfig, welcome: P.Welcome, device: torch.devic
     theirs = (len(model.layers), list(config.layer_types or []), getattr(config, "sliding_window", None) or 0)
     ours = (dcfg.num_layers, resolve_layer_types(dcfg.num_layers, dcfg.layer_types, dcfg.sliding_window),
             dcfg.sliding_window)
-    if ours != theirs or (dcfg.draft_vocab_size and dcfg.draft_vocab_size != model.draft_vocab_size):
+    own_head = model.draft_head is not None
+    if (ours != theirs or (dcfg.draft_vocab_size and dcfg.draft_vocab_size != model.draft_vocab_size)
+            or dcfg.train_draft_head != own_head):
         logger.warning("[model] drafter.init_from %s sets the architecture: %d layers %s, sliding window %s, "
-                       "draft vocabulary %s (drafter.num_layers, layer_types, sliding_window and "
-                       "draft_vocab_size are not used)", dcfg.init_from, theirs[0], theirs[1], theirs[2] or "none",
-                       model.draft_vocab_size or "none")
+                       "draft vocabulary %s, %s LM head (drafter.num_layers, layer_types, sliding_window, "
+                       "draft_vocab_size and train_draft_head are not used)", dcfg.init_from, theirs[0], theirs[1],
+                       theirs[2] or "none", model.draft_vocab_size or "none", "its own" if own_head else "the target's")
     logger.info("[model] drafter %s starts from the trained drafter %s", dcfg.id, dcfg.init_from)
     return model
 

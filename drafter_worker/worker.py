@@ -596,7 +596,10 @@ class DrafterWorker:
         logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets), time.perf_counter() - start)
 
     def _initial_scales(self) -> None:
-        """A model built this run: logit scale now that the LM head is here, feature scale at the first batch."""
+        """A model built this run: its own LM head and logit scale now that the target's head is here, feature
+        scale at the first batch."""
+        if self.trainer.model.draft_head is not None:
+            self.trainer.model.init_draft_head(self._head)
         if self.dcfg.logit_std_init > 0:
             factor = init_logit_scale(self.trainer.model, self._embed, self._head,
                                       self.dcfg.logit_std_init, seed=self.dcfg.seed)

@@ -181,6 +181,9 @@ def model_card(drafter: Any, state: dict[str, Any], *, out_name: str, run_dir: P
     if drafter.draft_vocab_size:
         rows.append(("draft vocabulary", f"{drafter.draft_vocab_size} of {config.vocab_size} target tokens "
                                          "(`draft_vocab`; other tokens are never drafted)"))
+    if drafter.draft_head is not None:
+        rows.append(("LM head", "its own rows for the draft vocabulary (`draft_head`), trained from the target's; "
+                                "`compute_logits` uses them instead of the head it is passed"))
     report = last_eval(run_dir, drafter_id, step)
     if report is None:
         tau = "not measured" + (f" (run `dflash-eval {run_dir} --drafter {drafter_id} --step {step}`)"
@@ -199,7 +202,8 @@ def model_card(drafter: Any, state: dict[str, Any], *, out_name: str, run_dir: P
     vocab_note = ""
     if drafter.draft_vocab_size:
         vocab_note = (
-            "\nThis drafter scores a draft vocabulary (`draft_vocab` tensor, `dflash_config.draft_vocab_size`): "
+            "\nThis drafter scores a draft vocabulary (`draft_vocab` tensor, `dflash_config.draft_vocab_size`"
+            f"{'; its own head rows: `draft_head`' if drafter.draft_head is not None else ''}): "
             "load it with the shipped `dflash.py`; implementations that do not know that tensor "
             "(the reference `z-lab/dflash` model, serving engines) refuse or ignore it.\n"
         )

@@ -425,8 +425,8 @@ class DFlashProposer:
         self.drafter = drafter.eval()
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
-        # The rows the drafter scores (all of them unless it has a draft vocabulary), gathered once.
-        self._draft_head, _, _ = drafter.head_and_labels(lm_head_weight)
+        # The rows the drafter scores (the target's, all of them unless it has a draft vocabulary, or its own), once.
+        self._draft_head = drafter.head_and_labels(lm_head_weight)[0].detach()
         self._draft_vocab = drafter.draft_vocab.to(lm_head_weight.device) if drafter.draft_vocab_size else None
         self.block_size = drafter.block_size
         passes = int(getattr(drafter, "denoise_passes", 1) if denoise_passes is None else denoise_passes)

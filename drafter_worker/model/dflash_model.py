@@ -154,6 +154,7 @@ def make_drafter_config(
     sliding_window: int = 0,
     denoise_passes: int = 1,
     causal_passes: bool = False,
+    draft_head: bool = False,
 ) -> Qwen3Config:
     """A ``Qwen3Config`` laid out like published DFlash draft checkpoints.
 
@@ -188,6 +189,10 @@ def make_drafter_config(
         config.dflash_config["denoise_passes"] = denoise_passes
     if causal_passes:
         config.dflash_config["causal_passes"] = True
+    if draft_head:
+        if not draft_vocab_size:
+            raise ValueError("draft_head (the drafter's own LM head) needs a draft vocabulary (draft_vocab_size > 0)")
+        config.dflash_config["draft_head"] = True  # the `draft_head` tensor scores the draft vocabulary
     return config
 
 
@@ -799,7 +804,8 @@ def _distilled_slot_loss(
     hard = soft if in_vocab is None else soft * in_vocab
     hard = (1.0 - distill_weight) * hard / hard.sum().clamp(min=1e-6)
     soft = distill_weight * soft / soft.sum().clamp(min=1e-6)
-    loss, hits = distill_lm_head_loss(hidden[:, :, 1:], teacher, head, labels, hard, soft)
+    loss, hits = distill_lm_head_loss(hidden[:, :, 1:], teacher, head, labels, hard, soft,
+                                      teacher_head=drafter.target_rows(lm_head_weight))
     if in_vocab is not None:
         hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
     return loss, hits

@@ -9,9 +9,10 @@ draft slot trained on the distribution against 0.48 on the hard labels
 (docs/recipe.md).
 
 The teacher's logits come from the target's last layer: the drafter applies
-the target's final norm to that captured layer and multiplies by the same
-frozen LM head rows it scores its own hidden states with, so the loss needs
-no extra transfer. The hard and the soft part share one pass over the head.
+the target's final norm to that captured layer and multiplies by the target's
+frozen LM head rows, the ones the drafter scores its own hidden states with
+unless it trains a head of its own (``drafter.train_draft_head``), so the
+loss needs no extra transfer. The hard and the soft part share one pass over the head.
 Rows are processed in chunks; a chunk's ``[rows, V]`` gradient coefficients
 are kept for the backward when they fit ``keep_bytes`` (one matmul in the
 backward), otherwise recomputed from the saved inputs. No device-to-host
@@ -38,10 +39,10 @@ def teacher_hidden(last_layer: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     return norm_weight.float() * x32
 
 
-def _chunk(x, teacher, head, labels, hard, soft):
+def _chunk(x, teacher, head, teacher_head, labels, hard, soft):
     """``(loss_sum, hits, coef)`` of one row chunk; ``coef`` is d(loss_sum)/d(student logits)."""
     student = F.linear(x.to(head.dtype), head).float()
-    target = F.linear(teacher.to(head.dtype), head).float()
+    target = F.linear(teacher.to(teacher_head.dtype), teacher_head).float()
     log_p = F.log_softmax(student, dim=-1)
     q = F.softmax(target, dim=-1)
     hard_ce = -log_p.gather(1, labels[:, None]).squeeze(1)
@@ -55,36 +56,45 @@ def _chunk(x, teacher, head, labels, hard, soft):
 
 class _DistillLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x, teacher, head, labels, hard, soft, chunk_rows: int, keep_bytes: int):
+    def forward(ctx: Any, x, teacher, head, teacher_head, labels, hard, soft, chunk_rows: int, keep_bytes: int):
         keep = x.shape[0] * head.shape[0] * 4 <= keep_bytes
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         hits, coefs = [], []
         for i in range(0, x.shape[0], chunk_rows):
             rows = slice(i, i + chunk_rows)
-            loss_sum, chunk_hits, coef = _chunk(x[rows], teacher[rows], head, labels[rows], hard[rows], soft[rows])
+            loss_sum, chunk_hits, coef = _chunk(x[rows], teacher[rows], head, teacher_head, labels[rows], hard[rows],
+                                                soft[rows])
             total = total + loss_sum
             hits.append(chunk_hits)
             if keep:
                 coefs.append(coef)
         ctx.chunk_rows = chunk_rows
         ctx.coefs = coefs if keep else None
-        ctx.save_for_backward(x, teacher, head, labels, hard, soft)
+        ctx.save_for_backward(x, teacher, head, teacher_head, labels, hard, soft)
         ctx.mark_non_differentiable(*hits)
         return (total, torch.cat(hits) if hits else x.new_zeros(0, dtype=torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, _grad_hits: Any):
-        x, teacher, head, labels, hard, soft = ctx.saved_tensors
+        x, teacher, head, teacher_head, labels, hard, soft = ctx.saved_tensors
         step = ctx.chunk_rows
         grads = []
+        # A head the drafter trains (drafter.train_draft_head): its gradient is coef^T @ x, accumulated in fp32.
+        grad_head = None
+        if ctx.needs_input_grad[2]:
+            grad_head = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
         for n, i in enumerate(range(0, x.shape[0], step)):
             rows = slice(i, i + step)
             coef = (ctx.coefs[n] if ctx.coefs is not None
-                    else _chunk(x[rows], teacher[rows], head, labels[rows], hard[rows], soft[rows])[2])
+                    else _chunk(x[rows], teacher[rows], head, teacher_head, labels[rows], hard[rows], soft[rows])[2])
             grads.append((coef.to(head.dtype) @ head).float())
+            if grad_head is not None:
+                grad_head += (coef.to(head.dtype).T @ x[rows].to(head.dtype)).float()
         ctx.coefs = None
         grad_x = (torch.cat(grads) * grad_loss).to(x.dtype) if grads else torch.zeros_like(x)
-        return grad_x, None, None, None, None, None, None, None
+        if grad_head is not None:
+            grad_head = (grad_head * grad_loss).to(head.dtype)
+        return grad_x, None, grad_head, None, None, None, None, None, None
 
 
 def distill_lm_head_loss(
@@ -97,6 +107,7 @@ def distill_lm_head_loss(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
+    teacher_head: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, hits)``: ``sum(hard_weights * CE(label) + soft_weights * CE(softmax(teacher @ head.T)))``.
 
@@ -104,12 +115,14 @@ def distill_lm_head_loss(
     computed once for the hard and the soft part (three ``N x V x H`` matmuls
     in all with the teacher's, against two for the hard loss alone).
     ``hidden`` and ``teacher`` are ``[..., H]`` (the drafter's outputs and the
-    target's final hidden states of the same positions), ``head`` the frozen
-    ``[V, H]`` rows both are scored on (the draft vocabulary's, when it has
-    one: the teacher is then renormalised over it), ``labels`` ``[...]`` row
+    target's final hidden states of the same positions), ``head`` the ``[V, H]``
+    rows the drafter is scored on (the draft vocabulary's, when it has one: the
+    teacher is then renormalised over it), ``teacher_head`` the target's own
+    rows for the same V tokens (default ``head``), ``labels`` ``[...]`` row
     indices into ``head``, the weights ``[...]`` (normalised by the caller).
     ``hits`` is float ``[...]``, 1.0 where the argmax is the label (no grad).
-    Only ``hidden`` gets a gradient.
+    ``hidden`` gets a gradient, and ``head`` when it requires one (a drafter's
+    own head); the teacher side never does.
     """
     if hidden.shape != teacher.shape or not (hidden.shape[:-1] == labels.shape == hard_weights.shape
                                              == soft_weights.shape):
@@ -119,7 +132,10 @@ def distill_lm_head_loss(
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     h = hidden.shape[-1]
+    teacher_head = head if teacher_head is None else teacher_head
+    if teacher_head.shape != head.shape:
+        raise ValueError(f"teacher_head {tuple(teacher_head.shape)} must match head {tuple(head.shape)}")
     loss, hits = _DistillLMHeadLoss.apply(
-        hidden.reshape(-1, h), teacher.reshape(-1, h).detach(), head.detach(), labels.reshape(-1).long(),
+        hidden.reshape(-1, h), teacher.reshape(-1, h).detach(), head, teacher_head.detach(), labels.reshape(-1).long(),
         hard_weights.reshape(-1).float().detach(), soft_weights.reshape(-1).float().detach(), chunk_rows, keep_bytes)
     return loss, hits.view(labels.shape)

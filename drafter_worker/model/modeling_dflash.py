@@ -428,6 +428,14 @@ class DFlashDraftMixin:
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_theta(config))
+        # Optional LM head of its own over the draft vocabulary (EAGLE-3's): trained from the target's rows
+        # (init_draft_head); without it the drafter scores with the target's frozen rows.
+        if bool(draft_value(config, "draft_head", False)):
+            if not self.draft_vocab_size:
+                raise ValueError("dflash_config.draft_head needs dflash_config.draft_vocab_size > 0")
+            self.draft_head = nn.Parameter(torch.zeros(self.draft_vocab_size, hidden))
+        else:
+            self.register_parameter("draft_head", None)
 
     @property
     def feature_size(self) -> int:
@@ -472,18 +480,32 @@ class DFlashDraftMixin:
             raise ValueError(f"draft vocabulary ids must be distinct and in [0, {vocab})")
         self.draft_vocab.copy_(ids.to(self.draft_vocab.device))
 
+    def target_rows(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The target's LM head rows of the draft vocabulary (all of them without one)."""
+        if not self.draft_vocab_size:
+            return lm_head_weight
+        return lm_head_weight.index_select(0, self.draft_vocab.to(lm_head_weight.device))
+
+    @torch.no_grad()
+    def init_draft_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Start the drafter's own head (``draft_head``) as the target's rows of the draft vocabulary."""
+        if self.draft_head is None:
+            raise ValueError("this drafter has no head of its own (dflash_config.draft_head)")
+        self.draft_head.copy_(self.target_rows(lm_head_weight).to(self.draft_head))
+
     def head_and_labels(
         self, lm_head_weight: torch.Tensor, labels: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The LM head rows the drafter scores, and ``labels`` mapped into them.
 
         Without a draft vocabulary: the head and labels unchanged (``in_vocab`` None).
-        With one: ``head[draft_vocab]``, labels as draft indices (0 where the token
+        With one: the drafter's own ``draft_head`` if it has one, else
+        ``head[draft_vocab]``; labels as draft indices (0 where the token
         is outside the vocabulary) and a bool ``in_vocab`` mask. No host syncs.
         """
         if not self.draft_vocab_size:
             return lm_head_weight, labels, None
-        head = lm_head_weight.index_select(0, self.draft_vocab.to(lm_head_weight.device))
+        head = self.draft_head if self.draft_head is not None else self.target_rows(lm_head_weight)
         if labels is None:
             return head, None, None
         to_draft = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=labels.device)

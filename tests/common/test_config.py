@@ -249,6 +249,12 @@ def test_denoising_settings_out_of_range_are_refused(overrides, key):
         load_config(None, overrides)
 
 
+def test_a_head_of_its_own_needs_a_draft_vocabulary():
+    with pytest.raises(ConfigError, match=r"drafter\.train_draft_head.*draft_vocab_size"):
+        load_config(None, ["drafter.train_draft_head=true"])
+    assert load_config(None, ["drafter.train_draft_head=true", "drafter.draft_vocab_size=64"]).drafter.train_draft_head
+
+
 def test_config_error_is_a_value_error():
     # Dataclass validation follows the STYLE rule: ValueError naming the dotted key.
     with pytest.raises(ValueError, match="drafter.num_layers"):

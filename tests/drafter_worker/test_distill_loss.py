@@ -36,6 +36,33 @@ def test_distill_loss_matches_autograd_reference(keep_bytes):
     assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-5)  # the logits are read as fp32
 
 
+def test_a_head_of_its_own_gets_the_reference_gradient_and_the_teacher_keeps_the_targets_rows():
+    """drafter.train_draft_head: the drafter scores with its own head, the teacher with the target's rows."""
+    gen = torch.Generator().manual_seed(2)
+    hidden, teacher = torch.randn(7, 16, generator=gen), torch.randn(7, 16, generator=gen)
+    target_rows = torch.randn(40, 16, generator=gen)
+    own = target_rows + 0.3 * torch.randn(40, 16, generator=gen)
+    labels = torch.randint(0, 40, (7,), generator=gen)
+    hard, soft = torch.rand(7, generator=gen), torch.rand(7, generator=gen)
+    for keep_bytes in (1 << 30, 0):
+        x, head = hidden.clone().requires_grad_(True), own.clone().requires_grad_(True)
+        rows = target_rows.clone().requires_grad_(True)
+        loss, _ = distill_lm_head_loss(x, teacher, head, labels, hard, soft, teacher_head=rows, chunk_rows=3,
+                                       keep_bytes=keep_bytes)
+        loss.backward()
+        y, ref_head = hidden.clone().requires_grad_(True), own.clone().requires_grad_(True)
+        log_p = F.log_softmax(y @ ref_head.T, -1)
+        q = F.softmax(teacher @ target_rows.T, -1)
+        ref = (hard * -log_p.gather(-1, labels[:, None]).squeeze(-1) + soft * -(q * log_p).sum(-1)).sum()
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(x.grad, y.grad)
+        torch.testing.assert_close(head.grad, ref_head.grad)
+        assert rows.grad is None  # the target's rows are the teacher's, never trained
+    with pytest.raises(ValueError, match="teacher_head"):
+        distill_lm_head_loss(hidden, teacher, own, labels, hard, soft, teacher_head=target_rows[:30])
+
+
 def test_the_soft_part_is_lowest_at_the_teacher():
     """Scored on the teacher's own hidden state, the soft loss is the teacher's entropy: nothing beats it."""
     gen = torch.Generator().manual_seed(1)

@@ -93,8 +93,10 @@ def test_a_drafter_whose_steps_are_all_non_finite_stops_with_exit_code_3(tmp_pat
 def test_a_drafter_distils_the_targets_distribution_from_its_captured_last_layer(tmp_path, tiny_llama_dir):
     # The tiny target has 6 layers: capturing layer 5 lets the drafter compute the target's own distribution
     # from WELCOME.final_norm_weight; the drafter also has its own key/value head count.
+    # It trains an LM head of its own over a draft vocabulary, starting from the target's rows.
     config = write_config(tmp_path, str(tiny_llama_dir),
-                          drafters={"d0": {"distill_weight": 0.5, "num_key_value_heads": 4}},
+                          drafters={"d0": {"distill_weight": 0.5, "num_key_value_heads": 4, "draft_vocab_size": 64,
+                                           "train_draft_head": True}},
                           sections={"target": ["target_layer_ids = [1, 3, 5]"], "data": ["num_epochs = 1"]})
     run_dir, job = run_plan(tmp_path, config)
     report = verify_lineage(run_dir, "d0")
@@ -103,4 +105,9 @@ def test_a_drafter_distils_the_targets_distribution_from_its_captured_last_layer
     assert losses and all(math.isfinite(x) for x in losses)
     from drafter_worker.model.dflash_model import load_drafter
     step_dir = run_dir / "checkpoints" / "d0" / (run_dir / "checkpoints" / "d0" / "latest").read_text().strip()
-    assert load_drafter(step_dir).config.num_key_value_heads == 4
+    trained = load_drafter(step_dir)
+    assert trained.config.num_key_value_heads == 4
+    from transformers import AutoModelForCausalLM
+    target_rows = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).lm_head.weight.detach()[trained.draft_vocab]
+    moved = (trained.draft_head - target_rows).norm() / target_rows.norm()
+    assert 0 < moved < 0.5, float(moved)  # started at the target's rows, then trained

@@ -46,6 +46,9 @@ def make_checkpoint(run_dir: Path, step: int = 20, drafter_id: str = "d0", **con
                 p.add_(0.1 * torch.randn_like(p))
     if model.draft_vocab_size:
         model.set_draft_vocab(torch.randperm(VOCAB)[: model.draft_vocab_size])
+    if model.draft_head is not None:
+        with torch.no_grad():
+            model.draft_head.normal_()
     optimizer = torch.optim.AdamW(model.parameters())
     state = TrainerState(step=step, coverage=[Coverage()], drafter_id=drafter_id, model_id="tiny",
                          tokens_trained=step * 1000)
@@ -165,7 +168,8 @@ def test_the_shipped_modeling_file_is_the_repositorys_and_imports_only_torch_and
     {},
     {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 9},
     {"draft_vocab_size": 40},
-], ids=["full", "sliding", "draft-vocab"])
+    {"draft_vocab_size": 40, "draft_head": True},
+], ids=["full", "sliding", "draft-vocab", "draft-head"])
 def test_automodel_loads_the_export_and_computes_what_training_computes(tmp_path, hf_modules, monkeypatch, overrides):
     run = tmp_path / "run"
     trained = make_checkpoint(run, **overrides)
@@ -203,6 +207,8 @@ def test_automodel_loads_the_export_and_computes_what_training_computes(tmp_path
         torch.testing.assert_close(logits, trained.draft_logits(expected, lm_head.weight), rtol=1e-6, atol=1e-6)
         if trained.draft_vocab_size:
             assert torch.isinf(logits).sum(-1).eq(VOCAB - trained.draft_vocab_size).all()
+        if trained.draft_head is not None:  # the drafter's own head, not the target's rows, scores its drafts
+            torch.testing.assert_close(logits[..., trained.draft_vocab], got @ trained.draft_head.T)
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["dynamic-cache", "sliding-layer-cache"])

@@ -225,17 +225,21 @@ def test_rejection_sampling_keeps_the_target_distribution():
     torch.testing.assert_close(counts / trials, p, rtol=0, atol=0.04)
 
 
-def make_denoising_drafter(passes: int, causal: bool = False) -> DFlashDrafter:
+def make_denoising_drafter(passes: int, causal: bool = False, own_head: bool = False) -> DFlashDrafter:
     config = make_drafter_config(
         hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
         vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
         num_hidden_layers=2, num_target_layers=LAYERS, target_layer_ids=build_target_layer_ids(LAYERS, 2),
         block_size=BLOCK, mask_token_id=VOCAB - 1, denoise_passes=passes, draft_vocab_size=128,
         layer_types=["sliding_attention", "full_attention"], sliding_window=BLOCK, causal_passes=causal,
+        draft_head=own_head,
     )
     torch.manual_seed(5)
     drafter = DFlashDrafter(config).eval()
     drafter.set_draft_vocab(list(range(VOCAB - 1, VOCAB - 129, -1)))
+    if own_head:
+        with torch.no_grad():
+            drafter.draft_head.normal_()
     return drafter
 
 
@@ -276,20 +280,22 @@ def test_denoising_passes_show_each_fixed_draft_to_the_next_pass(target):
 
 
 
-def test_causal_passes_draft_each_slot_seeing_only_the_drafts_before_it(target):
+@pytest.mark.parametrize("own_head", [False, True], ids=["target-rows", "own-head"])
+def test_causal_passes_draft_each_slot_seeing_only_the_drafts_before_it(target, own_head):
     # A drafter trained with drafter.causal_passes: pass i fixes slot i + 1 and every slot sees only the
     # slots up to itself, so each slot's logits equal an uncached causal pass over the whole context and
-    # the block [anchor, earlier drafts, masks]; the output stays exactly greedy.
+    # the block [anchor, earlier drafts, masks]; the output stays exactly greedy. A drafter with a head of
+    # its own (drafter.train_draft_head) scores its drafts with that head, not the target's rows.
     from drafter_worker.model.modeling_dflash import causal_block_mask
 
-    drafter = make_denoising_drafter(passes=BLOCK - 1, causal=True)
+    drafter = make_denoising_drafter(passes=BLOCK - 1, causal=True, own_head=own_head)
     proposer = dflash_proposer(target, drafter)
     calls = record_proposals(proposer)
     prompt = PROMPTS[1]
     spec = speculative_generate(target, proposer, prompt, max_new_tokens=17)
     assert spec.tokens == plain_generate(target, prompt, max_new_tokens=17).tokens
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    rows = head[drafter.draft_vocab]
+    rows = drafter.draft_head.detach() if own_head else head[drafter.draft_vocab]
     with torch.no_grad():
         features = target_features(target(torch.tensor([prompt + spec.tokens]), output_hidden_states=True).hidden_states,
                                    drafter.target_layer_ids)
