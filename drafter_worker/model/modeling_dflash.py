@@ -589,6 +589,7 @@ class DFlashDraftModel(DFlashDraftMixin, PreTrainedModel):
         return self._draft(target_hidden, noise_embedding, position_ids, attention_mask, past_key_values)
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module | torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary from the target's LM head (module or weight)."""
+        """Draft logits over the target's vocabulary from the target's LM head (module or weight), or from
+        the drafter's own rows (``draft_head``) when it has them."""
         weight = output_head if isinstance(output_head, torch.Tensor) else output_head.weight
         return self.draft_logits(hidden, weight)

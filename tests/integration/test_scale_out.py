@@ -30,7 +30,9 @@ pytestmark = pytest.mark.timeout(420)
 def scale_out_config(tmp_path: Path, model: str, *, checkpoint_every: int = 4) -> Path:
     """Two replicas (ports of replica 1 = replica 0's + a free step), drafter g0 for 2 ranks, d1 for one."""
     # g0's cosine runs on its training clock (rank 0's for both ranks, resumed from the checkpoint after a restart).
-    drafters = {"g0": {"devices": ["cpu", "cpu"], "checkpoint_every_steps": checkpoint_every, "decay_minutes": 0.5},
+    # g0 also trains an LM head of its own (drafter.train_draft_head): DDP must reduce its gradient like the rest.
+    drafters = {"g0": {"devices": ["cpu", "cpu"], "checkpoint_every_steps": checkpoint_every, "decay_minutes": 0.5,
+                       "draft_vocab_size": 64, "train_draft_head": True},
                 "d1": {"seed": 1}}
     path = write_config(tmp_path, model, drafters=drafters,
                         sections={"target": ["replicas = 2"], "data": ["num_epochs = 1"]})
