@@ -182,6 +182,14 @@ def make_drafter_config(
     ))
     _set_dflash_attributes(config, block_size=block_size, num_target_layers=num_target_layers,
                            mask_token_id=mask_token_id, layer_ids=layer_ids, draft_vocab_size=draft_vocab_size)
+    _set_own_keys(config, block_size=block_size, denoise_passes=denoise_passes, causal_passes=causal_passes,
+                  draft_head=draft_head)
+    return config
+
+
+def _set_own_keys(config: Qwen3Config, *, block_size: int, denoise_passes: int, causal_passes: bool,
+                  draft_head: bool) -> None:
+    """The ``dflash_config`` keys only this project's code reads (decoding passes, the drafter's own head)."""
     if causal_passes and denoise_passes != block_size - 1:
         raise ValueError(f"causal_passes drafts a block in block_size - 1 = {block_size - 1} passes, "
                          f"got denoise_passes {denoise_passes}")
@@ -190,10 +198,9 @@ def make_drafter_config(
     if causal_passes:
         config.dflash_config["causal_passes"] = True
     if draft_head:
-        if not draft_vocab_size:
+        if not config.dflash_config.get("draft_vocab_size"):
             raise ValueError("draft_head (the drafter's own LM head) needs a draft vocabulary (draft_vocab_size > 0)")
         config.dflash_config["draft_head"] = True  # the `draft_head` tensor scores the draft vocabulary
-    return config
 
 
 def _check_dimensions(
