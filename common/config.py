@@ -213,6 +213,7 @@ class DrafterConfig:
     device: str = _doc("training device: cpu or cuda[:N]", "cpu")
     devices: list[str] = _doc("device of each local rank under torchrun (LOCAL_RANK indexes it); empty = drafter.device, or cuda:LOCAL_RANK when that is 'cuda'", default_factory=list)
     threads: int = _doc("torch CPU threads; 0 keeps torch's default", 0)
+    threads_while_capturing: int = _doc("torch CPU threads while the batches come from the target's forward pass, drafter.threads once they come from its feature cache: a target on the same CPU computes meanwhile, and more threads than cores slow both processes (make quality: 1 beside a 1-thread target on 2 cores); 0 = drafter.threads throughout", 0)
     matmul_precision: str = _doc("torch.set_float32_matmul_precision for the drafter: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 passes)", "highest")
     num_layers: int = _doc("decoder layers of the drafter", 1)
     block_size: int = _doc("tokens predicted per block (slot 0 is the anchor)", 16)
@@ -265,6 +266,9 @@ class DrafterConfig:
         _require(0.0 <= self.distill_weight <= 1.0, "drafter.distill_weight", "must be in [0, 1]", self.distill_weight)
         _require(self.num_key_value_heads >= 0, "drafter.num_key_value_heads", "must be >= 0", self.num_key_value_heads)
         _require(self.anchors_per_sequence >= 1, "drafter.anchors_per_sequence", "must be >= 1", self.anchors_per_sequence)
+        _require(self.threads >= 0, "drafter.threads", "must be >= 0", self.threads)
+        _require(self.threads_while_capturing >= 0, "drafter.threads_while_capturing", "must be >= 0",
+                 self.threads_while_capturing)
         _require(1 <= self.steps_per_batch <= 64, "drafter.steps_per_batch", "must be in [1, 64]", self.steps_per_batch)
         _require(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", "must be >= 0", self.draft_vocab_size)
         _require(not self.train_draft_head or self.draft_vocab_size > 0, "drafter.train_draft_head",

@@ -275,6 +275,9 @@ class Batch(Message):
     tag: int
     num_tokens: int  # real (unpadded) tokens, so throughput needs no device read
     slot: int = optional(-1)  # transport "shm": the ring slot of ``bucket`` that carries this batch
+    # Served from the target's feature cache, no forward pass: the target leaves the CPU to the
+    # drafters (drafter.threads_while_capturing).
+    from_cache: bool = optional(False)
 
 
 @dataclass

@@ -140,6 +140,7 @@ class DrafterWorker:
         self.cfg = cfg
         self.dcfg = cfg.drafter
         self.device = torch.device(self.dcfg.device)
+        self._default_threads = torch.get_num_threads()  # drafter.threads = 0 once the target's cache serves
         self.transport = cfg.transport.resolve(self.dcfg.device)
         self.run_dir = cfg.run.path
         self.replicas = cfg.target.replicas
@@ -325,6 +326,7 @@ class DrafterWorker:
         if contribute:
             wait_current(self.device, mine.ready_event)  # device-side: the receive's stream filled buf
             views = self._layouts[mine.meta.bucket].views(mine.buf)
+            self._set_threads(mine.meta)
         else:
             views = self._zero_batch
         before = trainer.step
@@ -369,6 +371,17 @@ class DrafterWorker:
         else:
             self.ledger.trained(step, mine.meta.batch_id, mine.meta.epoch, mine.meta.sample_ids, first_step=first_step,
                                 rank=self.rank if self.world_size > 1 else None)
+
+    def _set_threads(self, meta: P.Batch) -> None:
+        """drafter.threads_while_capturing while the target runs a forward pass for each batch (on a
+        shared CPU it needs its cores), drafter.threads once it serves them from its feature cache."""
+        if not self.dcfg.threads_while_capturing or self.device.type != "cpu":
+            return
+        want = (self.dcfg.threads or self._default_threads) if meta.from_cache else self.dcfg.threads_while_capturing
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+            logger.info("[threads] %d torch threads from batch %d on: the target %s", want, meta.batch_id,
+                        "serves it from its feature cache" if meta.from_cache else "computes it")
 
     def _train_batch(self, views: tuple, contribute: bool) -> tuple[int, float]:
         """drafter.steps_per_batch optimizer steps on one batch, each on freshly sampled anchors

@@ -324,6 +324,7 @@ class Coordinator:
                     batch_id=ready.plan_index, epoch=ready.epoch, bucket=ready.bucket, sample_ids=ready.sample_ids,
                     batch_size=layout.batch_size, seq_len=layout.seq_len, feature_dim=layout.feature_dim,
                     dtype=dtype, nbytes=layout.nbytes, tag=tag, num_tokens=ready.num_tokens, slot=slot,
+                    from_cache=ready.from_cache,
                 )))
                 reg.credits -= 1
                 if not reg.inflight:

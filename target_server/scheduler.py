@@ -45,6 +45,7 @@ class ReadyBatch:
     num_tokens: int
     buffer: torch.Tensor
     layout: BatchLayout
+    from_cache: bool = False  # the features came from the feature cache, not a forward pass
     pins: int = 0  # drafters the batch went to that may still read this buffer (a send, or shm: until ACK)
     # CUDA: recorded on the capture stream after the batch was written; a link's
     # stream waits on it before reading the buffer (None on the CPU).

@@ -310,7 +310,7 @@ class TargetServer:
         elapsed = time.perf_counter() - start
         pool_slot, shm_tag = self.plane.publish(planned.bucket, buf)
         ready = ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
-                           ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
+                           from_cache=cached, ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
         return ready, cached, elapsed
 
     def _count_captured(self, ready: ReadyBatch, cached: bool, elapsed: float) -> None:

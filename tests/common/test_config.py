@@ -249,6 +249,12 @@ def test_denoising_settings_out_of_range_are_refused(overrides, key):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("key", ["drafter.threads", "drafter.threads_while_capturing"])
+def test_negative_thread_counts_are_refused(key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + " must be >= 0"):
+        load_config(None, [f"{key}=-1"])
+
+
 def test_a_head_of_its_own_needs_a_draft_vocabulary():
     with pytest.raises(ConfigError, match=r"drafter\.train_draft_head.*draft_vocab_size"):
         load_config(None, ["drafter.train_draft_head=true"])

@@ -37,7 +37,7 @@ SAMPLES: dict[str, P.Message] = {
     "REQUEST": P.Request(credits=2),
     "BATCH": P.Batch(
         batch_id=7, epoch=0, bucket=1, sample_ids=[3, 1, 4, 1, 5, 9], batch_size=6, seq_len=128,
-        feature_dim=2880, dtype="bfloat16", nbytes=4_500_000, tag=12, num_tokens=700, slot=3,
+        feature_dim=2880, dtype="bfloat16", nbytes=4_500_000, tag=12, num_tokens=700, slot=3, from_cache=True,
     ),
     "ACK": P.Ack(batch_ids=[5, 6, 7], step=12, checkpoint_step=10),
     "HEARTBEAT": P.Heartbeat(step=99, capture_stalled_s=61.5),
@@ -102,7 +102,7 @@ def test_encode_is_plain_msgpack(name):
 # that leaves them at their defaults must encode exactly as before they existed,
 # so a peer built before them still decodes it.
 @pytest.mark.parametrize("name,added", [
-    ("BATCH", {"slot"}), ("HEARTBEAT", {"capture_stalled_s"}), ("STATUS_REQUEST", {"auth"}), ("HELLO", {"auth", "gpu_uuid"}),
+    ("BATCH", {"slot", "from_cache"}), ("HEARTBEAT", {"capture_stalled_s"}), ("STATUS_REQUEST", {"auth"}), ("HELLO", {"auth", "gpu_uuid"}),
     ("WELCOME", {"shm_name", "shm_slot_bytes", "shm_slots_per_bucket", "shm_weights_name",
                                      "plan_batches", "batches_per_epoch", "token_ranking",
                                      "train_samples", "data_fingerprint", "gpu_uuid", "final_norm_weight"}),

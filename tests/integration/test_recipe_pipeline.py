@@ -31,7 +31,9 @@ def run_plan(tmp_path: Path, config: Path) -> tuple[Path, Job]:
 
 
 def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, tiny_llama_dir):
-    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"steps_per_batch": 3, "draft_vocab_size": 512}},
+    config = write_config(tmp_path, str(tiny_llama_dir),
+                          drafters={"d0": {"steps_per_batch": 3, "draft_vocab_size": 512, "threads": 2,
+                                           "threads_while_capturing": 1}},
                           sections={"target": ["feature_cache_gb = 1.0"], "data": ["num_epochs = 2"]})
     run_dir, job = run_plan(tmp_path, config)  # d0 is DONE after the plan's two epochs
     log = (run_dir / "logs" / "target.log").read_text()
@@ -41,6 +43,9 @@ def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, ti
     assert max(v["feature_cache_gb"] for v in target) > 0
     drafter_log = (run_dir / "logs" / "drafter-d0.log").read_text()
     assert "cosine over the plan's" in drafter_log and "x 3 steps each" in drafter_log
+    # One thread while the target computed the batches (BATCH.from_cache false), both once its cache served them.
+    assert "[threads] 1 torch threads from batch 0 on: the target computes it" in drafter_log
+    assert "[threads] 2 torch threads from batch" in drafter_log and "serves it from its feature cache" in drafter_log
     # Every batch of both epochs trained three steps; the ledger accounts for every step once.
     report = verify_lineage(run_dir, "d0")
     assert report.ok, report.problems
