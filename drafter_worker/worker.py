@@ -140,7 +140,7 @@ class DrafterWorker:
         self.cfg = cfg
         self.dcfg = cfg.drafter
         self.device = torch.device(self.dcfg.device)
-        self._default_threads = torch.get_num_threads()  # drafter.threads = 0 once the target's cache serves
+        self._default_threads = torch.get_num_threads()  # what drafter.threads = 0 means (_set_threads)
         self.transport = cfg.transport.resolve(self.dcfg.device)
         self.run_dir = cfg.run.path
         self.replicas = cfg.target.replicas
