@@ -271,21 +271,21 @@ class TargetServer:
                 for event in self.scheduler.reader_events(buf):
                     stream.wait(event)  # device-side: the previous batch's sends have read buf
                 try:
-                    ready, cached, elapsed = self._capture_batch(stream, index, buf, pad_id)
+                    ready, elapsed = self._capture_batch(stream, index, buf, pad_id)
                 except Exception:
                     self.scheduler.abandon(index, buf)
                     raise
                 self.scheduler.publish(ready)
-                self._count_captured(ready, cached, elapsed)
+                self._count_captured(ready, elapsed)
         except BaseException as exc:  # surfaced by the control loop, which exits non-zero
             self._capture_error = exc
             logger.exception("capture thread failed")
             self._stop.set()
 
     def _capture_batch(self, stream: SideStream, index: int, buf: torch.Tensor,
-                       pad_id: int) -> tuple[ReadyBatch, bool, float]:
+                       pad_id: int) -> tuple[ReadyBatch, float]:
         """Fill ``buf`` with plan batch ``index`` (from the feature cache or a forward pass) and
-        publish it to the data plane; returns the batch, whether it was cached, and the seconds taken."""
+        publish it to the data plane; returns the batch (``from_cache`` says which) and the seconds taken."""
         planned = self.plan.batch(index)
         layout = self.layouts[planned.bucket]
         self.plane.begin_write(planned.bucket, buf)
@@ -311,14 +311,14 @@ class TargetServer:
         pool_slot, shm_tag = self.plane.publish(planned.bucket, buf)
         ready = ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
                            from_cache=cached, ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
-        return ready, cached, elapsed
+        return ready, elapsed
 
-    def _count_captured(self, ready: ReadyBatch, cached: bool, elapsed: float) -> None:
+    def _count_captured(self, ready: ReadyBatch, elapsed: float) -> None:
         with self._stats_lock:
             self._captured_batches += 1
             self._captured_tokens += ready.num_tokens
             self._padded_tokens += ready.layout.batch_size * ready.layout.seq_len
-            if cached:
+            if ready.from_cache:
                 self._cached_batches += 1
             else:
                 self._forward_s += elapsed
