@@ -159,7 +159,7 @@ class DrafterWorker:
         self._resume_path = self.checkpoints.latest()
         if self._resume_path is not None:
             self.state = self.checkpoints.read_state(self._resume_path)
-            logger.info("[resume] drafter %s: checkpoint %s (step %d, training clock %.1f s)", self.dcfg.id,
+            logger.info("[resume] drafter %s: checkpoint %s (step %d, training clock %.3f s)", self.dcfg.id,
                         self._resume_path, self.state.step, self.state.train_seconds)
         self.ledger.resumed(self.state.step if self.state else 0)
         self._checkpoint_step = self.state.step if self.state else 0
