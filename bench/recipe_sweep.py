@@ -90,8 +90,8 @@ def batches(samples, feats, rng: random.Random, seqs: int):
 
 
 def _every_anchor(model, sample, sample_feats, embed, reveal: int = 0):
-    """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden states)``.
-    ``reveal``: each block shows its first this many draft slots' true tokens (a later denoising pass)."""
+    """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden
+    states of slots 1..)``. ``reveal``: each block shows its first this many draft slots' true tokens (a later denoising pass)."""
     ids, mask, lens = sample.input_ids.long()[None], sample.loss_mask[None], torch.tensor([len(sample)])
     anchors, valid = sample_anchors(mask, lens, len(sample))
     if model.causal_passes:  # every pass of a block at once, each seeing the true tokens before its slot
@@ -165,7 +165,7 @@ def slot_ranks(model, samples, feats, embed, head, idx, top: int) -> list[tuple[
         s = samples[j]
         anchors, valid, inputs, hidden = _every_anchor(model, s, feats[j], embed)
         rows, labels, in_vocab = model.head_and_labels(head, inputs.labels[:, :, 1:])
-        logits = hidden[:, :, 1:] @ rows.T
+        logits = hidden @ rows.T
         hit = logits.topk(top, dim=-1).indices == labels[..., None]
         found = hit.any(-1) & inputs.label_valid[:, :, 1:].bool()
         if in_vocab is not None:

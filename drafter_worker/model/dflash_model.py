@@ -378,6 +378,7 @@ class DFlashDrafter(DFlashDraftMixin, nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         context_cache: DraftContextCache | None = None,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block slots.
 
@@ -394,11 +395,14 @@ class DFlashDrafter(DFlashDraftMixin, nn.Module):
                 covers those and the block), the slots also attend to the
                 cached context, and the new context is appended to the cache.
                 A given ``attention_mask`` must then be ``[B, 1, Q, cached+C+Q]``.
+            out_rows: Long ``[R]``, the block slots whose states are wanted (the last layer
+                computes only those; every slot is still a key). ``None``: all of them.
 
         Returns:
-            ``[B, Q, H]`` after the final norm (apply the target's LM head for logits).
+            ``[B, Q, H]`` (``[B, R, H]`` with ``out_rows``) after the final norm (apply the
+            target's LM head for logits).
         """
-        return self._draft(target_hidden, noise_embedding, position_ids, attention_mask, context_cache)
+        return self._draft(target_hidden, noise_embedding, position_ids, attention_mask, context_cache, out_rows)
 
 
 @torch.no_grad()
@@ -811,7 +815,7 @@ def _distilled_slot_loss(
     hard = soft if in_vocab is None else soft * in_vocab
     hard = (1.0 - distill_weight) * hard / hard.sum().clamp(min=1e-6)
     soft = distill_weight * soft / soft.sum().clamp(min=1e-6)
-    loss, hits = distill_lm_head_loss(hidden[:, :, 1:], teacher, head, labels, hard, soft,
+    loss, hits = distill_lm_head_loss(hidden, teacher, head, labels, hard, soft,
                                       teacher_head=drafter.target_rows(lm_head_weight))
     if in_vocab is not None:
         hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
@@ -847,22 +851,23 @@ def _block_hidden(
     embed_weight: torch.Tensor,
     anchors: torch.Tensor,
 ) -> torch.Tensor:
-    """Drafter outputs ``[B, N, bs, H]`` for every block, from one forward pass over all of a row's blocks.
+    """Drafter outputs ``[B, N, bs-1, H]`` of the scored slots 1.. of every block, one forward pass a row.
 
-    Everything runs in the drafter's dtype, so a bf16 drafter is fed bf16
+    The last layer computes only those slots (the anchor's, and the shown tokens of the causal layout,
+    are keys but never scored). Everything runs in the drafter's dtype, so a bf16 drafter is fed bf16
     features and embeddings whatever the target produced.
     """
     dtype = drafter.fc.weight.dtype
-    noise = F.embedding(blocks.block_ids, embed_weight).to(dtype)
-    hidden = drafter(features.to(dtype), noise, blocks.position_ids, blocks.attention_mask)
     bsz, num = anchors.shape
     bs = drafter.block_size
     width = blocks.slots_per_block or bs
-    hidden = hidden.view(bsz, num, width, -1)
-    if width == bs:
-        return hidden
-    # Causal layout: slot 0 (never scored) from the anchor's query, slots 1.. from their masks.
-    return torch.cat([hidden[:, :, :1], hidden[:, :, bs - 1:]], dim=2)
+    # Causal layout: slot k's mask sits at bs-2+k in its block (after the bs-1 shown tokens); else slot k at k.
+    first = bs - 1 if width != bs else 1
+    scored = torch.arange(first, first + bs - 1, device=anchors.device)
+    rows = (torch.arange(num, device=anchors.device)[:, None] * width + scored).flatten()
+    noise = F.embedding(blocks.block_ids, embed_weight).to(dtype)
+    hidden = drafter(features.to(dtype), noise, blocks.position_ids, blocks.attention_mask, out_rows=rows)
+    return hidden.view(bsz, num, bs - 1, -1)
 
 
 def _weighted_slot_loss(
@@ -881,9 +886,8 @@ def _weighted_slot_loss(
     head, labels, in_vocab = drafter.head_and_labels(lm_head_weight, blocks.labels[:, :, 1:])
     weights = _block_slot_weights(blocks, drafter.block_size, float(loss_gamma), hidden.device)
     weights = weights[:, :, 1:] if in_vocab is None else weights[:, :, 1:] * in_vocab
-    # Slot 0 never carries a label; skip it in the (vocab-sized) LM head.
     # Fused (drafter.loss_impl auto/chunked/triton): never builds the [N, V] logits.
-    loss_sum, weight_sum, hits = fused_lm_head_loss(hidden[:, :, 1:], head, labels, weights, mode=loss_impl)
+    loss_sum, weight_sum, hits = fused_lm_head_loss(hidden, head, labels, weights, mode=loss_impl)
     if in_vocab is not None:
         hits = hits * in_vocab  # a token outside the draft vocabulary is never drafted
     loss = loss_sum / weight_sum.clamp(min=1e-6)

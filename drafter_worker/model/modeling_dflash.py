@@ -308,12 +308,16 @@ class DFlashAttention(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Any = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of the block slots (the ``rows`` of them only, when given) to the context and the block."""
         bsz, q_len, _ = x.shape
         ctx_len = context.shape[1]
         kv_len = ctx_len + q_len
+        queries = x if rows is None else x[:, rows]
+        n_q = queries.shape[1]
 
-        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(queries).view(bsz, n_q, self.num_heads, self.head_dim)).transpose(1, 2)
         # Context keys/values come first, then the block's own.
         k = torch.cat([self.k_proj(context), self.k_proj(x)], dim=1)
         v = torch.cat([self.v_proj(context), self.v_proj(x)], dim=1)
@@ -323,7 +327,10 @@ class DFlashAttention(nn.Module):
         # cos/sin cover all C+Q positions; queries are the last Q of them.
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
-        q = q * cos[:, :, -q_len:] + rotate_half(q) * sin[:, :, -q_len:]
+        q_cos, q_sin = cos[:, :, -q_len:], sin[:, :, -q_len:]
+        if rows is not None:
+            q_cos, q_sin = q_cos[:, :, rows], q_sin[:, :, rows]
+        q = q * q_cos + rotate_half(q) * q_sin
         k = k * cos + rotate_half(k) * sin
         if isinstance(cache, DraftContextCache):
             # Earlier context goes in front; only the context (never the block
@@ -337,6 +344,8 @@ class DFlashAttention(nn.Module):
         if self.sliding_window is not None:
             window = sliding_window_mask(position_ids, q_len, kv_len, self.sliding_window)
             attention_mask = _restrict(attention_mask, window)
+        if rows is not None and attention_mask is not None:
+            attention_mask = attention_mask[:, :, rows]
 
         out = F.scaled_dot_product_attention(
             q,
@@ -347,7 +356,7 @@ class DFlashAttention(nn.Module):
             is_causal=False,
             scale=self.scaling,
         )
-        out = out.transpose(1, 2).reshape(bsz, q_len, self.num_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(bsz, n_q, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
     def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
@@ -394,10 +403,13 @@ class DFlashDecoderLayer(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: Any = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The block stream after this layer; only its ``rows`` (every slot still a key) when given."""
         # Only the block stream is normalised here: the fused context was
         # already normalised once by hidden_norm and is shared by all layers.
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, position_ids, attention_mask, cache)
+        attn = self.self_attn(self.input_layernorm(x), context, cos, sin, position_ids, attention_mask, cache, rows)
+        x = (x if rows is None else x[:, rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -449,8 +461,12 @@ class DFlashDraftMixin:
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Any = None,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the block slots (see ``DFlashDrafter.forward`` for the arguments)."""
+        """Hidden states of the block slots (see ``DFlashDrafter.forward`` for the arguments).
+
+        ``out_rows`` (Long ``[R]``): return only these slots' states, ``[B, R, H]``. The last layer then
+        computes queries, its MLP and the norm for those slots alone; every slot is still a key."""
         bsz, ctx_len, feat = target_hidden.shape
         q_len = noise_embedding.shape[1]
         if feat != self.feature_size:
@@ -465,8 +481,9 @@ class DFlashDraftMixin:
         context = self.hidden_norm(self.fc(target_hidden))
         x = noise_embedding
         cos, sin = self.rotary_emb(position_ids, x.dtype)
-        for layer in self.layers:
-            x = layer(x, context, cos, sin, position_ids, attention_mask, cache)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, cos, sin, position_ids, attention_mask, cache, out_rows if i == last else None)
         return self.norm(x)
 
     @torch.no_grad()

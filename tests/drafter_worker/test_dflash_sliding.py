@@ -170,6 +170,40 @@ def test_narrow_window_differs_from_full_and_matches_brute_force(layer_types, wi
     torch.testing.assert_close(got.reshape(1, -1, HIDDEN), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer_types, window", [
+    (["sliding_attention", "full_attention"], 5),
+    (["full_attention", "sliding_attention"], 3),  # the last layer's window mask is cut to the rows too
+    (None, 64),
+])
+def test_scored_rows_only_equal_the_full_pass_and_its_gradients(layer_types, window):
+    # Training asks the last layer for the scored slots only (out_rows): each row's queries, rotary
+    # angles and mask row must be its own, and every slot must still be a key.
+    model = drafter(layer_types, window, seed=6).train()
+    features, input_ids, embed = batch(seed=7)
+    blocks = build_block_inputs(
+        input_ids=input_ids, loss_mask=torch.ones_like(input_ids, dtype=torch.bool),
+        lengths=torch.tensor([SEQ]), anchors=ANCHORS, anchor_valid=torch.ones_like(ANCHORS, dtype=torch.bool),
+        block_size=BLOCK, mask_token_id=MASK_ID,
+    )
+    rows = torch.tensor([1, 2, 3, 6, 9, 10])  # not every block's slots alike: blocks see each other's rows differently
+    noise = F.embedding(blocks.block_ids, embed)
+    weight = torch.randn(len(rows), HIDDEN)
+    grads = []
+    for scored in (False, True):
+        model.zero_grad()
+        if scored:
+            out = model(features, noise, blocks.position_ids, blocks.attention_mask, out_rows=rows)
+        else:
+            out = model(features, noise, blocks.position_ids, blocks.attention_mask)[:, rows]
+        (out[0] * weight).sum().backward()
+        grads.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (full, full_grads), (scored, scored_grads) = grads
+    assert scored.shape == (1, len(rows), HIDDEN)
+    torch.testing.assert_close(scored, full, rtol=1e-5, atol=1e-5)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(scored_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # ---------------------------------------------------------------------------
 # Training layout vs cached inference
 # ---------------------------------------------------------------------------
