@@ -91,7 +91,8 @@ def batches(samples, feats, rng: random.Random, seqs: int):
 
 def _every_anchor(model, sample, sample_feats, embed, reveal: int = 0):
     """Every eligible anchor of one answer as a block: ``(anchors, valid, block inputs, drafter hidden
-    states of slots 1..)``. ``reveal``: each block shows its first this many draft slots' true tokens (a later denoising pass)."""
+    states of slots 1..)``. ``reveal``: each block shows its first this many draft slots' true tokens
+    (a later denoising pass)."""
     ids, mask, lens = sample.input_ids.long()[None], sample.loss_mask[None], torch.tensor([len(sample)])
     anchors, valid = sample_anchors(mask, lens, len(sample))
     if model.causal_passes:  # every pass of a block at once, each seeing the true tokens before its slot
