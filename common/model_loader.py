@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from common import gguf_cache
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIAS = "smollm2"
@@ -175,6 +177,10 @@ def _readable_id(directory: str, gguf_file: str | None, source: str) -> str:
 def load_tokenizer(source: str) -> Any:
     """Load a tokenizer from any source :func:`resolve_tokenizer_source` accepts."""
     directory, gguf_file = resolve_tokenizer_source(source)
+    converted = gguf_cache.lookup(gguf_cache.entry_path(os.path.join(directory, gguf_file), torch.float32)
+                                  ) if gguf_file else None
+    if converted is not None:
+        return _load_tokenizer(str(converted), None, source)
     return _load_tokenizer(directory, gguf_file, source)
 
 
@@ -210,9 +216,18 @@ def load_target(
     """
     directory, gguf_file = resolve_model_source(model)
     tok_directory, tok_gguf, tok_label = _tokenizer_location(model, directory, gguf_file, tokenizer_source)
+    # A GGUF is de-quantized once: later loads read the converted copy (common/gguf_cache.py).
+    tokenizer_from_gguf = gguf_file is not None and (tok_directory, tok_gguf) == (directory, gguf_file)
+    entry = gguf_cache.entry_path(os.path.join(directory, gguf_file), dtype) if gguf_file else None
+    converted = gguf_cache.lookup(entry)
+    model_directory, model_gguf = (str(converted), None) if converted else (directory, gguf_file)
+    if converted and tokenizer_from_gguf:
+        tok_directory, tok_gguf = str(converted), None
     tokenizer = _load_tokenizer(tok_directory, tok_gguf, tok_label)
-    lm, num_layers, hidden_size, vocab_size = _load_frozen_model(model, directory, gguf_file, device=device,
+    lm, num_layers, hidden_size, vocab_size = _load_frozen_model(model, model_directory, model_gguf, device=device,
                                                                  dtype=dtype)
+    if converted is None and tokenizer_from_gguf:
+        gguf_cache.store(entry, lm, tokenizer)
     if len(tokenizer) > vocab_size:
         raise ModelLoadError(f"the tokenizer from {tok_label!r} has {len(tokenizer)} tokens but the model's embedding "
                              f"has only {vocab_size} rows; use the model's own tokenizer (target.tokenizer)")

@@ -22,6 +22,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 if "DFLASH_DATA_CACHE_DIR" not in os.environ:
     os.environ["DFLASH_DATA_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-tokenized-")
     atexit.register(shutil.rmtree, os.environ["DFLASH_DATA_CACHE_DIR"], ignore_errors=True)
+# And the GGUF they load is de-quantized once per session, into a directory of this session.
+if "DFLASH_MODEL_CACHE_DIR" not in os.environ:
+    os.environ["DFLASH_MODEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-test-models-")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_MODEL_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

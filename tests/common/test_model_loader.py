@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common import gguf_cache
 from common.model_loader import (
     SMOLLM2_GGUF,
     ModelLoadError,
@@ -22,6 +23,7 @@ from common.model_loader import (
     resolve_model_source,
     resolve_tokenizer_source,
 )
+from target_server.token_cache import tokenizer_digest
 
 SMOLLM2_VOCAB = 49152
 
@@ -181,12 +183,14 @@ def test_pick_mask_token_id_for_smollm2(smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_load_real_smollm2_gguf(caplog):
+def test_load_real_smollm2_gguf(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv(gguf_cache.ENV_CACHE_DIR, str(tmp_path))
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="common.model_loader"):
         target = load_target("smollm2")
     elapsed = time.monotonic() - started
     logging.getLogger(__name__).info("SmolLM2 GGUF loaded in %.1fs", elapsed)
+    assert "de-quantizing the GGUF" in caplog.text
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, SMOLLM2_VOCAB)
     assert target.model_id == "SmolLM2-135M-Instruct.Q4_1"
     embed, head, tied = embedding_weights(target.model)
@@ -202,3 +206,57 @@ def test_load_real_smollm2_gguf(caplog):
     # The de-quantized model is a real chat model: the next token is sensible.
     next_token = target.tokenizer.decode(out.logits[0, -1].argmax().item())
     assert next_token.strip() != ""
+
+    # The load left its conversion in the cache; the next load reads it instead of the GGUF, and gets
+    # the same tensors bit for bit and a tokenizer with the same definition (the data fingerprint's part).
+    (entry,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="common.model_loader"):
+        again = load_target("smollm2")
+    assert "de-quantizing the GGUF" not in caplog.text and str(entry) in caplog.text
+    assert again.model_id == target.model_id and again.config.to_diff_dict().keys() <= {
+        *target.config.to_diff_dict().keys(), "_name_or_path"}
+    original, reloaded = target.model.state_dict(), again.model.state_dict()
+    assert original.keys() == reloaded.keys()
+    assert all(torch.equal(original[name], reloaded[name]) for name in original)
+    assert embedding_weights(again.model)[2]  # still tied
+    assert tokenizer_digest(again.tokenizer) == tokenizer_digest(target.tokenizer)
+    with torch.no_grad():
+        assert torch.equal(again.model(input_ids=ids).logits, out.logits)
+    # A tokenizer alone comes from the conversion too.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="common.model_loader"):
+        assert tokenizer_digest(load_tokenizer("smollm2")) == tokenizer_digest(target.tokenizer)
+    assert "de-quantizing" not in caplog.text
+
+
+def test_a_damaged_conversion_is_deleted_and_an_unwritable_cache_stops_nothing(tmp_path, caplog):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures import make_tiny_target
+
+    tiny = make_tiny_target(tmp_path / "tiny", num_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    entry = tmp_path / "cache" / "tiny-0123"
+    gguf_cache.store(entry, model, tokenizer)
+    assert gguf_cache.lookup(entry) == entry and not [p for p in entry.parent.iterdir() if p.name.startswith(".")]
+    reloaded = AutoModelForCausalLM.from_pretrained(entry)
+    assert all(torch.equal(t, reloaded.state_dict()[name]) for name, t in model.state_dict().items())
+    gguf_cache.store(entry, model, tokenizer)  # converted by another process meanwhile: kept as it is
+    assert gguf_cache.lookup(entry) == entry
+
+    # A copy cut short: the manifest's sizes catch it, and the entry goes so the next load rebuilds it.
+    weights = entry / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="common.gguf_cache"):
+        assert gguf_cache.lookup(entry) is None
+    assert "damaged (model.safetensors)" in caplog.text and not entry.exists()
+
+    # A cache directory that cannot be written is logged and leaves nothing behind.
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="common.gguf_cache"):
+        gguf_cache.store(blocked / "entry", model, tokenizer)
+    assert "could not cache the converted model" in caplog.text and blocked.read_text() == ""
