@@ -64,7 +64,7 @@ def summarize(run_dir: Path) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def measure_tau(run_dir: Path, drafter_ids: list[str], prompts: int = 3, tokens: int = 32) -> dict[str, dict | None]:
+def measure_tau(run_dir: Path, drafter_ids: list[str], prompts: int, tokens: int) -> dict[str, dict | None]:
     """A short real evaluation of each drafter's last checkpoint (``dflash-eval``, one process per
     drafter, in parallel): tau measured with the target, next to the training EAL proxy."""
     outs = {drafter_id: run_dir / "eval" / f"demo-{drafter_id}.json" for drafter_id in drafter_ids}
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--keep", action="store_true", help="resume an existing run directory instead of starting fresh")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="give up after this long")
+    parser.add_argument("--eval-prompts", type=int, default=3, help="held-out prompts of the final tau measurement")
+    parser.add_argument("--eval-tokens", type=int, default=32, help="new tokens per prompt in the final tau measurement")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             codes.update(job.stop(drafter_ids, STOP_TIMEOUT_S))
             codes.update(job.stop(["metrics"], STOP_TIMEOUT_S))
     lines, ok = summarize(run_dir)
-    lines += tau_lines(measure_tau(run_dir, drafter_ids))
+    lines += tau_lines(measure_tau(run_dir, drafter_ids, args.eval_prompts, args.eval_tokens))
     elapsed = time.monotonic() - started
     wandb_lines = offline_upload_lines(run_dir)  # one run per drafter plus the target, and the upload command
     print(f"\n=== DFlash demo summary ({elapsed:.0f}s) ===")

@@ -506,14 +506,16 @@ class TargetServer:
             if self._sock is not None:
                 self._send_all(outbox)
             endpoints = self.coord.stopped_endpoints
-        # Link threads own process groups; let them finish before the interpreter does
-        # (one still forming a pair may sit in an uninterruptible wait of up to transport.timeout_s,
-        # which the config keeps below stop_timeout_s; the rest of the shutdown needs little).
+        # Paired link threads own process groups; let them finish before the interpreter does.
+        # One still forming its pair has sent nothing and may sit in an uninterruptible wait of
+        # up to transport.timeout_s (a drafter that re-sent its HELLO while this target was
+        # loading leaves one behind): not waited for, it goes with the process.
         deadline = time.monotonic() + self.cfg.target.stop_timeout_s - 5
-        threads = [t for t in (self._capture_thread, *endpoints) if t is not None]
+        forming = [e for e in endpoints if not e.paired]
+        threads = [t for t in (self._capture_thread, *endpoints) if t is not None and t not in forming]
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.threads_left = [t.name for t in threads if t.is_alive()]
+        self.threads_left = [t.name for t in (*threads, *forming) if t.is_alive()]
         if self.plane is not None:
             self.plane.close()
             self.plane = None

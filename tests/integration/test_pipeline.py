@@ -6,12 +6,18 @@ import math
 import subprocess
 import sys
 
+import msgpack
 import pytest
+import zmq
 
+from common import protocol as P
+from common.auth import auth_dir, hello_proof, read_key
+from common.config import load_config
 from drafter_worker.model.dflash_model import load_drafter
 from deploy.launcher import Job
 from metrics_sidecar.wandb_reader import read_wandb_offline_history
 from tests.conftest import ROOT
+from tests import messages
 from tests.fixtures import write_config
 from tests.integration.catalog import catalog_series
 
@@ -30,9 +36,14 @@ def test_two_drafters_train_and_everything_exits_zero_on_sigterm(tmp_path, tiny_
             lambda: all(job.drafter_steps().get(f"drafter/{d}", 0) >= 8 for d in ("d0", "d1")),
             timeout_s=150, what="both drafters to report step 8",
         )
+        # A registration whose data plane never forms (a drafter that re-sent its HELLO while the
+        # target was loading leaves one): its link waits up to transport.timeout_s (60 s) in gloo's
+        # rendezvous, which must not hold up the target's exit (SIGKILL after 40 s below).
+        _register_without_pairing(job, config, run_dir, "d2")
         # Drafters first (they checkpoint and say BYE), then target, then sidecar (flushes W&B).
         codes = {name: job.terminate(name, timeout_s=40) for name in ("d0", "d1", "target", "metrics")}
         assert codes == {"d0": 0, "d1": 0, "target": 0, "metrics": 0}, job.all_consoles()
+        assert "not waiting for link-d2.0" in (run_dir / "logs" / "target.log").read_text()
 
     records = job.metrics()
     for drafter in ("d0", "d1"):
@@ -56,6 +67,24 @@ def test_two_drafters_train_and_everything_exits_zero_on_sigterm(tmp_path, tiny_
     # Different learning rates: two experiments, not one run logged twice.
     d1 = [row["drafter/d1/loss"] for row in history if "drafter/d1/loss" in row]
     assert d0 != d1
+
+
+def _register_without_pairing(job: Job, config, run_dir, drafter_id: str) -> None:
+    """A valid HELLO over gloo, answered by WELCOME, from a drafter that never joins its pair."""
+    cfg = load_config(config)
+    body = msgpack.unpackb(messages.hello(drafter_id, cfg.shared_hash(), "gloo").encode())
+    body["auth"] = hello_proof(read_key(auth_dir(run_dir) / "control.key"), drafter_id)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cfg.control.address)
+        sock.send(msgpack.packb(body))
+        assert sock.poll(10_000), "the target did not answer the HELLO"
+        answer = P.decode(sock.recv())
+        assert isinstance(answer, P.Welcome), answer
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_drafter_with_a_different_config_is_refused_with_a_clear_message(tmp_path, tiny_llama_dir):
