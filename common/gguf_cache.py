@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from common.cache_home import cache_dir_from_env
 from common.durable_io import fsync_path, write_durably
 
 logger = logging.getLogger(__name__)
@@ -48,13 +49,7 @@ _READ_CHUNK = 1 << 22
 
 def resolve_cache_dir() -> Path | None:
     """``$DFLASH_MODEL_CACHE_DIR`` (``off``: no cache), else ``$XDG_CACHE_HOME/dflash/models`` (``~/.cache/...``)."""
-    value = os.environ.get(ENV_CACHE_DIR, "")
-    if value.strip().lower() == "off":
-        return None
-    if value:
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflash" / "models"
+    return cache_dir_from_env(ENV_CACHE_DIR, "models")
 
 
 def entry_path(gguf_path: str | Path, dtype: torch.dtype) -> Path | None:

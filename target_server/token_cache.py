@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from common.cache_home import cache_dir_from_env
+
 logger = logging.getLogger(__name__)
 
 # Version of what is cached: bump when tokenize_conversation, the formats'
@@ -56,11 +58,7 @@ def resolve_cache_dir(setting: str) -> Path | None:
         return None
     if setting:
         return Path(setting).expanduser()
-    if os.environ.get(ENV_CACHE_DIR):
-        value = os.environ[ENV_CACHE_DIR]
-        return None if value.strip().lower() == "off" else Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflash" / "tokenized"
+    return cache_dir_from_env(ENV_CACHE_DIR, "tokenized")
 
 
 def tokenizer_digest(tokenizer: Any) -> str:
