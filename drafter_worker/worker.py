@@ -593,12 +593,16 @@ class DrafterWorker:
         return model, optimizer
 
     def _warm_up(self, trainer: DrafterTrainer, welcome: P.Welcome) -> None:
-        """Run every bucket shape once. Before the data plane forms: the target does not hold an
-        unpaired registration to the heartbeat timeout, so a slow start-up is not fatal."""
+        """Run every bucket shape once (allocator, kernels, Triton's compilation), not on a CPU, where
+        a shape's first step costs what the next one does. Before the data plane forms: the target does
+        not hold an unpaired registration to the heartbeat timeout, so a slow start-up is not fatal."""
         start = time.perf_counter()
-        stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device,
-                               dtype=head_dtype(self.device, dtype_from_name(welcome.dtype)))  # as the real head
-        trainer.warm_up([tuple(b) for b in welcome.buckets], trainer.model.feature_size, stand_in, stand_in)
+        if self.device.type != "cpu":
+            stand_in = torch.zeros(welcome.vocab_size, welcome.hidden_size, device=self.device,
+                                   dtype=head_dtype(self.device, dtype_from_name(welcome.dtype)))  # as the real head
+            trainer.warm_up([tuple(b) for b in welcome.buckets], trainer.model.feature_size, stand_in, stand_in)
+            logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets),
+                        time.perf_counter() - start)
         b, t = welcome.buckets[0]
         zero = BatchLayout(b, t, trainer.model.feature_size, dtype_from_name(welcome.dtype))
         # A zero-gradient step's input (its loss is multiplied by 0): as the warm-up's, finite everywhere.
@@ -606,7 +610,6 @@ class DrafterWorker:
         mask.fill_(1)
         lengths.fill_(t)
         self._zero_batch = (features, ids, mask, lengths)
-        logger.info("[startup] warm-up of %d bucket shapes took %.1fs", len(welcome.buckets), time.perf_counter() - start)
 
     def _initial_scales(self) -> None:
         """A model built this run: its own LM head and logit scale now that the target's head is here, feature

@@ -218,6 +218,23 @@ def test_same_seed_same_training():
         assert torch.equal(pa, pb), name
 
 
+def test_warm_up_changes_no_weight_optimizer_state_or_rng():
+    # The worker runs it on a GPU only (on a CPU a shape's first step costs what the next does), so
+    # what it promises is checked here: training after it is training without it.
+    batch = random_batch()
+    warmed, cold = make_trainer(seed=5), make_trainer(seed=5)
+    warmed.train_step(*batch)
+    cold.train_step(*batch)
+    embed, head = batch[4], batch[5]
+    warmed.warm_up([(2, 16), (1, T)], K * HIDDEN, embed, head)
+    assert all(p.grad is None for p in warmed.model.parameters())
+    for _ in range(2):
+        warmed.train_step(*batch)
+        cold.train_step(*batch)
+    for (name, pa), pb in zip(warmed.model.named_parameters(), cold.model.parameters()):
+        assert torch.equal(pa, pb), name
+
+
 def test_train_step_never_reads_the_device_on_the_host(monkeypatch):
     # Guards the rule of docs/architecture.md ("The metrics path"): nothing in the step may call .item(),
     # .tolist(), .cpu(), bool(tensor)... from project code. Torch's own internals
