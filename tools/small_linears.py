@@ -21,8 +21,12 @@ Timed one matrix alone, from the cache, the picture changes (576 x 576, 1 row:
 28 vs 50), and on another machine (session 17) the head was 2-4x slower
 through ``W @ x^T``. So :func:`small_row_linear` times both once per shape
 (rows, weight shape, dtype) on first use, in the process that decodes, over
-every weight of that shape in the models :func:`small_row_linears` patched,
-and keeps the faster. Plain and speculative decoding both get it: evaluation
+the weights of that shape in the models :func:`small_row_linears` patched (as
+many as make 64 MB, twice these machines' L3 cache, so they stream from
+memory), and keeps the faster. Where the two paths are within a few percent
+the choice flips between runs whatever the number of rounds; three rounds
+decide the clear cases, and the calibration of a SmolLM2 evaluation takes a
+third of what seven rounds over every weight took (session 29). Plain and speculative decoding both get it: evaluation
 patches the target and the drafter for both runs alike. Results equal
 ``F.linear`` up to floating-point summation order. CUDA modules are left alone.
 """
@@ -40,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 16  # a CPU verifies blocks of up to 16 tokens; the calibration picks the path for each row count
-CALIBRATION_ROUNDS = 7  # interleaved timings of each path per shape, the median decides
+CALIBRATION_ROUNDS = 3  # interleaved timings of each path per shape, the median decides
+CALIBRATION_BYTES = 64 << 20  # weights timed per shape: past the last-level cache, as a forward pass reads them
 
 # (rows, out features, in features, dtype) -> whether W @ x^T beat F.linear on this machine.
 _prefer_mm: dict[tuple, bool] = {}
@@ -57,11 +62,17 @@ def _mm(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, flat.t()).t()[:rows].contiguous()
 
 
+def _streamed(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first of ``weights`` that together exceed CALIBRATION_BYTES (all of them when they do not)."""
+    size = weights[0].numel() * weights[0].element_size()
+    return weights[: CALIBRATION_BYTES // size + 1]
+
+
 def _faster_is_mm(flat: torch.Tensor, weight: torch.Tensor) -> bool:
     key = (flat.shape[0], *weight.shape, weight.dtype)
     if key not in _prefer_mm:
-        # Over every patched weight of the shape: one matrix alone sits in the cache (see above).
-        weights = _weights_by_shape.get(key[1:]) or [weight]
+        # Over the patched weights of the shape: one matrix alone sits in the cache (see above).
+        weights = _streamed(_weights_by_shape.get(key[1:]) or [weight])
         times: dict[str, list[float]] = {"linear": [], "mm": []}
         paths = {"linear": lambda w: F.linear(flat, w), "mm": lambda w: _mm(flat, w)}
         for round_ in range(CALIBRATION_ROUNDS + 1):  # the first round warms up

@@ -90,3 +90,22 @@ def test_calibration_streams_every_patched_weight_of_the_shape(monkeypatch):
     assert calibrated == square  # the other shape's weight is not among them
     assert out.is_contiguous()  # rows as F.linear lays them out, whichever path ran
     assert small_linears._weights_by_shape == {}  # released with the patch
+
+
+def test_calibration_times_weights_past_the_cache_budget_only(monkeypatch):
+    # Two 16x16 fp32 weights (1 KiB each) exceed a 1.5 KiB budget: the third is not timed.
+    monkeypatch.setattr(small_linears, "_prefer_mm", {})
+    monkeypatch.setattr(small_linears, "CALIBRATION_BYTES", 1536)
+    model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)))
+    timed: list[int] = []
+    real_mm = small_linears._mm
+
+    def recording(flat, weight):
+        timed.append(weight.data_ptr())
+        return real_mm(flat, weight)
+
+    monkeypatch.setattr(small_linears, "_mm", recording)
+    with small_row_linears(model), torch.inference_mode():
+        model[0](torch.randn(2, 16))
+    calibrated = set(timed[: -1 if small_linears._prefer_mm[(2, 16, 16, torch.float32)] else None])
+    assert calibrated == {layer.weight.data_ptr() for layer in model[:2]}
