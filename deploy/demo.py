@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="resume an existing run directory instead of starting fresh")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="give up after this long")
     parser.add_argument("--eval-prompts", type=int, default=3, help="held-out prompts of the final tau measurement")
-    # 16: an untrained drafter verifies a whole block for about one token, so each new token costs a
-    # 16-token verify; 32 took the demo's last 70 s, for the same tau of 1.02.
+    # 16: an untrained drafter verifies a whole 16-token block for about one token, so every new token
+    # costs a verify; 32 cost 12 s more an evaluation on 2 cores (tau 1.02 instead of 1.00).
     parser.add_argument("--eval-tokens", type=int, default=16, help="new tokens per prompt in the final tau measurement")
     args = parser.parse_args(argv)
     try:

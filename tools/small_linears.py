@@ -26,8 +26,9 @@ many as make 64 MB, twice these machines' L3 cache, so they stream from
 memory), and keeps the faster. Where the two paths are within a few percent
 the choice flips between runs whatever the number of rounds; three rounds
 decide the clear cases, and the calibration of a SmolLM2 evaluation takes a
-third of what seven rounds over every weight took (session 29). Plain and speculative decoding both get it: evaluation
-patches the target and the drafter for both runs alike. Results equal
+third of what seven rounds over every weight took (session 29). Plain and
+speculative decoding both get it: evaluation patches the target and the
+drafter for both runs alike. Results equal
 ``F.linear`` up to floating-point summation order. CUDA modules are left alone.
 """
 

@@ -27,7 +27,7 @@ def test_demo_launcher_trains_two_drafters_on_smollm2(tmp_path):
         "drafter.checkpoint_every_steps=3",
         "data.max_samples=120",
     ]
-    # Fewer new tokens than the demo's 32 in its tau measurement (the test checks that it runs and is printed).
+    # Fewer new tokens than the demo's 16 in its tau measurement (the test checks that it runs and is printed).
     args = [sys.executable, "deploy/demo.py", "--config", "configs/demo.toml", "--eval-tokens", "8"]
     for o in overrides:
         args += ["--set", o]
