@@ -71,10 +71,9 @@ def test_each_shape_is_timed_once_and_its_choice_kept(monkeypatch):
     assert all(isinstance(v, bool) for v in small_linears._prefer_mm.values())
 
 
-def test_calibration_streams_every_patched_weight_of_the_shape(monkeypatch):
-    # Timed on one matrix the weights sit in the cache; a forward pass reads each layer's from memory.
+def _calibrated_weights(model: nn.Module, monkeypatch) -> tuple[set[int], torch.Tensor]:
+    """The weights (data pointers) timed when ``model[0]`` first multiplies 2 rows, and its output."""
     monkeypatch.setattr(small_linears, "_prefer_mm", {})
-    model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)), nn.Linear(16, 8, bias=False))
     timed: list[int] = []
     real_mm = small_linears._mm
 
@@ -85,27 +84,22 @@ def test_calibration_streams_every_patched_weight_of_the_shape(monkeypatch):
     monkeypatch.setattr(small_linears, "_mm", recording)
     with small_row_linears(model), torch.inference_mode():
         out = model[0](torch.randn(2, 16))
-    square = {layer.weight.data_ptr() for layer in model[:3]}
-    calibrated = set(timed[: -1 if small_linears._prefer_mm[(2, 16, 16, torch.float32)] else None])
-    assert calibrated == square  # the other shape's weight is not among them
+    # The last _mm call is the product itself when the calibration chose that path.
+    return set(timed[: -1 if small_linears._prefer_mm[(2, 16, 16, torch.float32)] else None]), out
+
+
+def test_calibration_streams_every_patched_weight_of_the_shape(monkeypatch):
+    # Timed on one matrix the weights sit in the cache; a forward pass reads each layer's from memory.
+    model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)), nn.Linear(16, 8, bias=False))
+    calibrated, out = _calibrated_weights(model, monkeypatch)
+    assert calibrated == {layer.weight.data_ptr() for layer in model[:3]}  # not the other shape's weight
     assert out.is_contiguous()  # rows as F.linear lays them out, whichever path ran
     assert small_linears._weights_by_shape == {}  # released with the patch
 
 
 def test_calibration_times_weights_past_the_cache_budget_only(monkeypatch):
     # Two 16x16 fp32 weights (1 KiB each) exceed a 1.5 KiB budget: the third is not timed.
-    monkeypatch.setattr(small_linears, "_prefer_mm", {})
     monkeypatch.setattr(small_linears, "CALIBRATION_BYTES", 1536)
     model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)))
-    timed: list[int] = []
-    real_mm = small_linears._mm
-
-    def recording(flat, weight):
-        timed.append(weight.data_ptr())
-        return real_mm(flat, weight)
-
-    monkeypatch.setattr(small_linears, "_mm", recording)
-    with small_row_linears(model), torch.inference_mode():
-        model[0](torch.randn(2, 16))
-    calibrated = set(timed[: -1 if small_linears._prefer_mm[(2, 16, 16, torch.float32)] else None])
+    calibrated, _ = _calibrated_weights(model, monkeypatch)
     assert calibrated == {layer.weight.data_ptr() for layer in model[:2]}
