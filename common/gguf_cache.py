@@ -1,10 +1,10 @@
 """On-disk cache of de-quantized GGUF models: a GGUF is converted once, later loads read the result.
 
-transformers parses a GGUF's metadata three times on every load (tokenizer,
-config, weights) and de-quantizes every tensor: about 20 s for the 105 MB
-SmolLM2 file on 2 cores, paid by every target, drafter (its copied layers),
-evaluation and export process. Loading the same weights from a safetensors
-directory takes a fraction of a second.
+A GGUF load parses the file's metadata (once: common/gguf_parse_once.py),
+builds the tokenizer from it and de-quantizes every tensor: about 20 s for
+the 105 MB SmolLM2 file on these CPUs, paid by every target, drafter (its
+copied layers), evaluation and export process. Loading the same weights from
+a safetensors directory takes a fraction of a second.
 
 An entry is a transformers directory (``config.json``, ``model.safetensors``,
 the tokenizer's files) named by a key over the GGUF's content, the dtype it

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from common import gguf_cache
+from common.gguf_parse_once import parse_once
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ def load_tokenizer(source: str) -> Any:
                                   ) if gguf_file else None
     if converted is not None:
         return _load_tokenizer(str(converted), None, source)
-    return _load_tokenizer(directory, gguf_file, source)
+    with parse_once():
+        return _load_tokenizer(directory, gguf_file, source)
 
 
 def _load_tokenizer(directory: str, gguf_file: str | None, source: str) -> Any:
@@ -223,9 +225,10 @@ def load_target(
     model_directory, model_gguf = (str(converted), None) if converted else (directory, gguf_file)
     if converted and tokenizer_from_gguf:
         tok_directory, tok_gguf = str(converted), None
-    tokenizer = _load_tokenizer(tok_directory, tok_gguf, tok_label)
-    lm, num_layers, hidden_size, vocab_size = _load_frozen_model(model, model_directory, model_gguf, device=device,
-                                                                 dtype=dtype)
+    with parse_once():  # the tokenizer's and the model's loads read a GGUF's metadata once
+        tokenizer = _load_tokenizer(tok_directory, tok_gguf, tok_label)
+        lm, num_layers, hidden_size, vocab_size = _load_frozen_model(model, model_directory, model_gguf,
+                                                                     device=device, dtype=dtype)
     if converted is None and tokenizer_from_gguf:
         gguf_cache.store(entry, lm, tokenizer)
     if len(tokenizer) > vocab_size:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import gguf
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -188,10 +189,19 @@ def test_pick_mask_token_id_for_smollm2(smollm2_tokenizer):
 def test_load_real_smollm2_gguf(caplog, monkeypatch, tmp_path):
     session_cache = os.environ.get(gguf_cache.ENV_CACHE_DIR, "off")  # tests/conftest.py's
     monkeypatch.setenv(gguf_cache.ENV_CACHE_DIR, str(tmp_path))
+    parsed = []  # every GGUF metadata parse (common/gguf_parse_once.py: one per load, not three)
+    real_reader = gguf.GGUFReader
+
+    def counting_reader(path, mode="r"):
+        parsed.append(path)
+        return real_reader(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger="common.model_loader"):
         target = load_target("smollm2")
     elapsed = time.monotonic() - started
+    assert len(parsed) == 1 and gguf.GGUFReader is counting_reader
     logging.getLogger(__name__).info("SmolLM2 GGUF loaded in %.1fs", elapsed)
     assert "de-quantizing the GGUF" in caplog.text
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, SMOLLM2_VOCAB)
