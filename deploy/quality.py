@@ -18,6 +18,13 @@ of each block (1: the target over two tokens costs about one plain step, over
 five 1.5), optionally cut where the drafter's own confidence falls below
 ``--draft-confidence``. The drafter is exported; the summary is printed and
 written to ``<run>/summary.json``.
+
+The hour is kept on any host: the final evaluations get the minutes left of
+``--total-minutes`` counted from ``--started-at`` (``make quality`` passes the
+moment make started, so building ``.venv`` counts), shared in proportion to
+their prompts, and each stops starting prompts that would end past its share
+(``dflash-eval --time-limit-s``). A slow host decodes fewer held-out prompts
+(the summary says how many of how many) instead of running past the hour.
 """
 
 from __future__ import annotations
@@ -47,18 +54,26 @@ FEWER_EVAL_PROMPTS = 16
 # 1.25 and over 5 1.5, so one draft a step is the fastest decoding there (docs/recipe.md, session 22).
 # A GPU verifies a block for the price of a token.
 CPU_DRAFT_TOKENS = 1
+TOTAL_MINUTES = 60.0  # the whole run, .venv included where make passes --started-at
+# The headline evaluation's tau needs about 16 prompts for a standard error near 0.1 at tau 2.
+MIN_EVAL_PROMPTS = 16
+MIN_FEWER_EVAL_PROMPTS = 4
+EXPORT_RESERVE_S = 30.0  # the export (no target load), the summary and its plots, per drafter
 DRAFTER_STOP_TIMEOUT_S = 120.0  # drafters stopped by --train-minutes checkpoint first
 FINAL_EVAL_TIMEOUT_S = 3600.0
 EXPORT_TIMEOUT_S = 600.0
 
 
-def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, *, fewer: bool = False) -> dict | None:
+def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, time_limit_s: float, *,
+                fewer: bool = False) -> dict | None:
     """The final evaluation: every draft of the block verified, or (``fewer``) the device's fastest decoding."""
     name = f"final-{drafter_id}" + ("-fewer" if fewer else "")
     out = tools.run_dir / "eval" / f"{name}.json"
     prompts = args.fewer_eval_prompts if fewer else args.eval_prompts
+    least = min(prompts, MIN_FEWER_EVAL_PROMPTS if fewer else MIN_EVAL_PROMPTS)
     cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(prompts), "--max-new-tokens", str(args.eval_tokens),
+           "--time-limit-s", f"{time_limit_s:.0f}", "--min-prompts", str(least),
            "--threads", str(args.eval_threads), "--json", str(out)]
     if fewer:
         cmd += ["--draft-confidence", str(args.draft_confidence)]
@@ -75,6 +90,23 @@ def _export(tools: Job, drafter_id: str) -> Path | None:
     out = tools.run_dir / "export" / drafter_id
     cmd = [sys.executable, "-m", "tools.export", str(tools.run_dir), "--drafter", drafter_id, "--out", str(out)]
     return out if tools.run(f"export-{drafter_id}", cmd, EXPORT_TIMEOUT_S) == 0 else None
+
+
+def _time_limits(stages: list[int], deadline: float, drafters: int):
+    """Each final evaluation's seconds: its share, by prompts, of what is left before the deadline.
+
+    A generator over ``stages`` (prompts of each evaluation, in order), asked for the next limit
+    just before that evaluation starts, so an evaluation that ended early leaves its time to the
+    later ones. The exports' reserve comes off first."""
+    for i, prompts in enumerate(stages):
+        left = deadline - time.time() - EXPORT_RESERVE_S * drafters
+        yield max(0.0, left * prompts / sum(stages[i:]))
+
+
+def _of_requested(report: dict) -> str:
+    """" of 64 (the hour's limit)" where the time limit left prompts undecoded."""
+    requested = report.get("prompts_requested", report["num_prompts"])
+    return f" of {requested} (the hour's limit)" if requested > report["num_prompts"] else ""
 
 
 def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
@@ -101,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-minutes", type=float, default=TRAIN_MINUTES,
                         help=f"stop training this long after the start even if the plan is not finished (default "
                              f"{TRAIN_MINUTES:g}; the recipe's drafter.decay_minutes ends its cosine there)")
+    parser.add_argument("--started-at", type=float,
+                        help="Unix time the run's hour began (make quality passes when make started, so building "
+                             ".venv counts; default: now)")
+    parser.add_argument("--total-minutes", type=float, default=TOTAL_MINUTES,
+                        help=f"the final evaluations decode fewer prompts (at least {MIN_EVAL_PROMPTS}) rather than "
+                             f"end the run later than this after --started-at (default {TOTAL_MINUTES:g})")
     parser.add_argument("--eval-every-s", type=float, default=240.0,
                         help="how often the watcher evaluates the newest checkpoint (each evaluation takes CPU from training)")
     parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
@@ -117,6 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="in that evaluation also end each step's drafts where the drafter's own chance that "
                              "all of them are right falls below this (default 0 = never)")
     args = parser.parse_args(argv)
+    now = time.time()
+    if args.started_at is None:
+        args.started_at = now
+    if not (now - 86400.0 <= args.started_at <= now + 1.0):
+        print(f"quality: --started-at must be a Unix time within the last day, got {args.started_at:.0f} "
+              f"(now {now:.0f})", file=sys.stderr)
+        return 2
+    if not args.total_minutes > 0:
+        print(f"quality: --total-minutes must be > 0, got {args.total_minutes:g}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
         drafter_ids = drafter_ids_in(args.config) or [cfg.drafter.id]
@@ -144,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     started = time.monotonic()
+    setup_minutes = (time.time() - args.started_at) / 60.0  # make's .venv, where make passed --started-at
     timed_out = False
     with Job(args.config, run_dir, overrides=args.overrides) as job:
         log_dir = job.log_dir
@@ -188,21 +237,26 @@ def main(argv: list[str] | None = None) -> int:
     train_minutes = (time.monotonic() - started) / 60.0
 
     results = {}
+    per_drafter = [args.eval_prompts] + ([args.fewer_eval_prompts] if fewer_eval else [])
+    limits = _time_limits(per_drafter * len(drafter_ids), args.started_at + args.total_minutes * 60.0,
+                          len(drafter_ids))
     with Job(None, run_dir) as tools:
         for drafter_id in drafter_ids:
-            report = _eval_final(tools, drafter_id, args)
-            fewer = _eval_final(tools, drafter_id, args, fewer=True) if fewer_eval else None
+            report = _eval_final(tools, drafter_id, args, next(limits))
+            fewer = _eval_final(tools, drafter_id, args, next(limits), fewer=True) if fewer_eval else None
             export = _export(tools, drafter_id)
             results[drafter_id] = {"report": report, "fewer": fewer, "export": str(export) if export else None,
                                    "tau_curve": _eval_curve(run_dir, drafter_id)}
-    total_minutes = (time.monotonic() - started) / 60.0
+    total_minutes = (time.monotonic() - started) / 60.0 + setup_minutes
     lines, ok = summarize(run_dir)
     plots = _plots(run_dir)
 
-    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all, {train_minutes:.1f} min of training"
+    setup = f" ({setup_minutes:.1f} of them before this script: .venv)" if setup_minutes >= 0.05 else ""
+    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all{setup}, {train_minutes:.1f} min of training"
           f"{', stopped by the time limit' if timed_out else ''}) ===")
     print("\n".join(lines))
     summary = {"config": args.config, "overrides": args.overrides, "total_minutes": total_minutes,
+               "setup_minutes": setup_minutes,
                "train_minutes": train_minutes, "timed_out": timed_out, "drafters": {}}
     for drafter_id, result in results.items():
         report = result["report"]
@@ -212,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
         print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
-              f"{report['num_prompts']} held-out prompts ({report['prompt_source']}, "
+              f"{report['num_prompts']}{_of_requested(report)} held-out prompts ({report['prompt_source']}, "
               f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
               + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
@@ -228,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             if fewer["draft_confidence"]:
                 how.append(f"cut below confidence {fewer['draft_confidence']:g}")
             print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} drafts a step instead of "
-                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']} prompts): tau {fewer['tau']:.3f}"
+                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']}{_of_requested(fewer)} prompts): "
+                  f"tau {fewer['tau']:.3f}"
                   f"{stderr_text(fewer)}, speculative "
                   f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
                   f"{fewer['speedup']:.2f}x")
@@ -242,14 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    exported drafter: {result['export'] or 'export failed'}")
         summary["drafters"][drafter_id] = {
             "step": report["step"], "tau": report["tau"], "tau_stderr": report.get("tau_stderr"),
+            "num_prompts": report["num_prompts"], "prompts_requested": report.get("prompts_requested"),
             "acceptance_rate": report["acceptance_rate"],
             "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
             "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
         }
         if fewer is not None:
             summary["drafters"][drafter_id]["fewer_drafts"] = {
-                k: fewer[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "tau", "acceptance_rate",
-                                      "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
+                k: fewer[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "num_prompts", "tau",
+                                      "acceptance_rate", "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
     for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
         print(f"  {line}")
     if plots:

@@ -205,13 +205,17 @@ def evaluate(
     draft_tokens: int | None = None,
     denoise_passes: int | None = None,
     draft_confidence: float = 0.0,
+    deadline: float | None = None,
+    min_prompts: int = 1,
 ) -> dict[str, Any]:
     """Speculative (and, with ``baseline``, plain) decoding of ``prompts``; returns the report numbers.
 
     ``draft_tokens`` caps the drafts each step verifies (default: the whole block); ``denoise_passes``
     sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``);
     ``draft_confidence`` ends each step's drafts where the drafter's own chance that all of them are
-    right falls below it (0: never)."""
+    right falls below it (0: never). With a ``deadline`` (``time.monotonic()``), no prompt starts
+    that would end after it at the pace so far, once ``min_prompts`` are decoded: the prompts keep
+    their order, so a shorter evaluation is a prefix of the full one."""
     from common.model_loader import embedding_weights
     from tools.small_linears import small_row_linears
     from tools.speculative import DFlashProposer
@@ -234,12 +238,13 @@ def evaluate(
     with small_row_linears(target, drafter):
         return _decode_all(target, proposer, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                            temperature=temperature, seed=seed, baseline=baseline, draft_tokens=draft_tokens,
-                           device=embed.device)
+                           device=embed.device, deadline=deadline, min_prompts=min_prompts)
 
 
 def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                 stop_tokens: Sequence[int], temperature: float, seed: int, baseline: bool,
-                draft_tokens: int, device: Any) -> dict[str, Any]:
+                draft_tokens: int, device: Any, deadline: float | None = None,
+                min_prompts: int = 1) -> dict[str, Any]:
     import torch
 
     from common.progress import Progress
@@ -258,9 +263,15 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
     per_prompt = []
     spec_tokens = spec_s = plain_tokens = plain_s = 0.0
     mismatches = 0
+    loop_started = time.monotonic()
     # A bar on a terminal; under --watch, systemd or a test a log line every 30 s.
     with Progress("[eval] prompts", total=len(prompts), unit="prompt", logger=logger) as progress:
         for i, prompt in enumerate(prompts):
+            if deadline is not None and i >= min_prompts:
+                per_prompt_s = (time.monotonic() - loop_started) / i
+                if time.monotonic() + per_prompt_s > deadline:
+                    logger.info("[eval] time limit: %d of %d prompts decoded", i, len(prompts))
+                    break
             spec = speculative_generate(target, proposer, prompt, max_new_tokens=max_new_tokens,
                                         stop_token_ids=stop_tokens, temperature=temperature, generator=gen(),
                                         draft_tokens=draft_tokens)
@@ -284,7 +295,8 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
             progress.update()
 
     report: dict[str, Any] = {
-        "num_prompts": len(prompts),
+        "num_prompts": len(per_prompt),
+        "prompts_requested": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "block_size": proposer.block_size,
@@ -352,12 +364,19 @@ def stderr_text(report: dict[str, Any]) -> str:
     return "" if err is None or math.isnan(err) else f" +- {err:.3f}"
 
 
+def prompts_cut_text(report: dict[str, Any]) -> str:
+    """" of N, time limit" when --time-limit-s left prompts undecoded; else nothing."""
+    requested = report.get("prompts_requested", report["num_prompts"])
+    return f" of {requested}, time limit" if requested > report["num_prompts"] else ""
+
+
 def format_report(report: dict[str, Any]) -> str:
     eal = report.get("training_eal")
     rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"])
     lines = [
         f"=== DFlash eval: {report['run']} drafter {report['drafter']} step {report['step']} ===",
-        f"  target: {report['target']}  prompts: {report['num_prompts']} ({report['prompt_source']})  "
+        f"  target: {report['target']}  prompts: {report['num_prompts']}{prompts_cut_text(report)} "
+        f"({report['prompt_source']})  "
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
         f"  tau: {report['tau']:.3f}{stderr_text(report)} tokens/step (block size {report['block_size']}, "
         f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}"
@@ -405,6 +424,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
     p.add_argument("--baseline", action="store_true", help="with --watch: also time plain decoding")
+    p.add_argument("--time-limit-s", type=float, help="start no prompt that would end more than this many seconds "
+                   "after the command started, at the pace so far (the report says how many were decoded)")
+    p.add_argument("--min-prompts", type=int, default=1, help="with --time-limit-s: decode at least this many")
     p.add_argument("--threads", type=int, help="torch CPU threads (default target.threads, else torch's)")
     p.add_argument("--json", type=Path, help="also write the report here")
     # The config is the run's own (RUN_DIR/config.toml); --set overrides its keys.
@@ -419,13 +441,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.num_prompts = 4 if args.watch else 8
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.watch else 64
-    for name in ("num_prompts", "max_new_tokens"):
+    for name in ("num_prompts", "max_new_tokens", "min_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
     if args.every_s <= 0:
         p.error("--every-s must be > 0")
+    if args.time_limit_s is not None and (args.watch or not args.time_limit_s >= 0):
+        p.error("--time-limit-s must be >= 0 and applies to one evaluation, not --watch")
     if args.watch and (args.step is not None or args.checkpoint):
         p.error("--watch follows the latest checkpoint; drop --step/--checkpoint")
     return args
@@ -480,9 +504,11 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
                          baseline: bool) -> dict[str, Any]:
     drafter = _load_drafter(path, loaded.model)
     started = time.monotonic()
+    deadline = None if args.time_limit_s is None else args.command_started + args.time_limit_s
     report = evaluate(loaded.model, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
                       temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens,
-                      denoise_passes=args.denoise_passes, draft_confidence=args.draft_confidence)
+                      denoise_passes=args.denoise_passes, draft_confidence=args.draft_confidence,
+                      deadline=deadline, min_prompts=args.min_prompts)
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),
@@ -609,7 +635,9 @@ def _print_config(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # --time-limit-s counts the model loads too
     args = _parse_args(argv)
+    args.command_started = started
     if args.print_config:
         return _print_config(args)
     from common.logging_setup import setup_logging

@@ -59,6 +59,8 @@ def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     (["--draft-tokens", "5"], "--draft-tokens must be in 0..4"),
     (["--draft-tokens", "-1"], "--draft-tokens must be in 0..4"),
     (["--draft-confidence", "1"], "--draft-confidence must be in [0, 1)"),
+    (["--started-at", "99999999999"], "--started-at must be a Unix time within the last day"),
+    (["--total-minutes", "0"], "--total-minutes must be > 0"),
 ])
 def test_quality_rejects_decoding_settings_the_recipe_cannot_run_before_touching_the_run(argv, message, tmp_path,
                                                                                        capsys):
@@ -70,3 +72,19 @@ def test_quality_rejects_decoding_settings_the_recipe_cannot_run_before_touching
     assert main(["--set", f"run.root_dir={tmp_path}", *argv]) == 2
     assert message in capsys.readouterr().err
     assert earlier.read_text() == "{}"
+
+
+def test_final_evaluations_share_the_minutes_left_by_prompts_and_reserve_the_exports():
+    # 64 + 16 prompts for each of two drafters, 1,000 s left after the exports' reserve: the first
+    # evaluation gets 64/160 of it; an evaluation that ends early leaves its seconds to the next.
+    import time
+
+    from deploy.quality import EXPORT_RESERVE_S, _time_limits
+
+    limits = _time_limits([64, 16, 64, 16], time.time() + 1000.0 + 2 * EXPORT_RESERVE_S, drafters=2)
+    assert next(limits) == pytest.approx(400.0, abs=1.0)
+    assert next(limits) == pytest.approx(1000.0 * 16 / 96, abs=1.0)  # the first took no time
+    assert next(limits) == pytest.approx(1000.0 * 64 / 80, abs=1.0)
+    assert next(limits) == pytest.approx(1000.0, abs=1.0)  # the last gets all that is left
+    past = _time_limits([64, 16], time.time() - 60.0, drafters=1)
+    assert next(past) == next(past) == 0.0  # past the hour: each evaluation decodes its minimum

@@ -87,7 +87,7 @@ def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert report == json.loads((run_dir / "eval" / "d0" / "step-10.json").read_text())
-    assert report["step"] == 10 and report["num_prompts"] == 2
+    assert report["step"] == 10 and report["num_prompts"] == report["prompts_requested"] == 2
     assert report["greedy_mismatches"] == 0  # speculative == greedy at temperature 0
     assert 1.0 <= report["tau"] <= 4.0 and len(report["tau_per_prompt"]) == 2
     steps = [row["steps"] for row in report["per_prompt"]]
@@ -99,6 +99,24 @@ def test_eval_reports_tau_and_speedup(run_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tau:" in text and "speed-up:" in text and "training EAL proxy: 0.250" in text
     assert f"+- {report['tau_stderr']:.3f}" in text
+
+
+def test_time_limit_decodes_a_prefix_of_the_prompts_and_says_so(run_dir, tmp_path, capsys):
+    # A limit already spent: the minimum is decoded, nothing more, and the report and the text say
+    # how many of how many; the prompts decoded are the full evaluation's first ones, in order.
+    reports = {}
+    for limit in ("0", "3600"):
+        out = tmp_path / f"report-{limit}.json"
+        assert eval_main([str(run_dir), "--drafter", "d0", "--num-prompts", "5", "--max-new-tokens", "6",
+                          "--ignore-eos", "--time-limit-s", limit, "--min-prompts", "2", "--json", str(out)]) == 0
+        reports[limit] = json.loads(out.read_text())
+    cut, full = reports["0"], reports["3600"]
+    assert cut["num_prompts"] == 2 and cut["prompts_requested"] == 5 and cut["generated_tokens"] == 12
+    assert full["num_prompts"] == full["prompts_requested"] == 5
+    assert cut["tau_per_prompt"] == full["tau_per_prompt"][:2]
+    assert [r["prompt_tokens"] for r in cut["per_prompt"]] == [r["prompt_tokens"] for r in full["per_prompt"][:2]]
+    text = capsys.readouterr().out
+    assert "prompts: 2 of 5, time limit" in text and "prompts: 5 (" in text
 
 
 def test_draft_confidence_cuts_the_drafts_a_step_verifies(run_dir, tmp_path, capsys):
