@@ -23,6 +23,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from typing import Iterable
 
 import torch
 import zmq
@@ -51,6 +53,23 @@ from common.model_loader import embedding_weights, final_norm_weight, load_targe
 from target_server.scheduler import BatchScheduler, ReadyBatch
 
 logger = logging.getLogger(__name__)
+# STATUS's tokens/s (dflash-status, the demo's and make quality's progress lines) is over the last
+# minute: one 10-s metrics window holds one or two of a CPU target's 4-6-s batches, so its rate
+# swung between about 150 and 300 from one progress line to the next.
+STATUS_RATE_SPAN_S = 60.0
+
+
+def rate_over(history: Iterable[tuple[float, int]], span_s: float) -> float:
+    """Units a second between the newest ``(time, total)`` point and the newest one ``span_s`` before it
+    (the oldest point where the history is shorter)."""
+    points = list(history)
+    (t1, n1), (t0, n0) = points[-1], points[0]
+    for t, n in reversed(points):
+        if t1 - t >= span_s:
+            t0, n0 = t, n
+            break
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
 
 # Inbound queue per peer: a drafter has a few messages in flight (ACK, REQUEST, HEARTBEAT);
 # beyond this a flooding peer's own sends block instead of growing our memory.
@@ -99,7 +118,9 @@ class TargetServer:
         self._send_s = 0.0
         self._window_start = time.monotonic()
         self._last_totals: tuple = (0, 0.0, 0, 0, 0, 0.0, 0.0, 0, 0)
-        self._tokens_per_s = 0.0
+        # (time, tokens captured so far) at each metrics push, for STATUS's tokens/s.
+        self._token_history: deque[tuple[float, int]] = deque([(self._window_start, 0)], maxlen=256)
+        self._status_tokens_per_s = 0.0
 
     # ---------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -469,10 +490,11 @@ class TargetServer:
         )
         elapsed = max(now - self._window_start, 1e-9)
         self._last_totals, self._window_start = totals, now
-        self._tokens_per_s = tokens / elapsed
+        self._token_history.append((now, totals[2]))
+        self._status_tokens_per_s = rate_over(self._token_history, STATUS_RATE_SPAN_S)
         depth, per_bucket = self.scheduler.depths()
         values = {
-            Target.TOKENS_PER_S: self._tokens_per_s,
+            Target.TOKENS_PER_S: tokens / elapsed,
             Target.BATCHES_PER_S: batches / elapsed,
             Target.FORWARD_MS: 1000.0 * forward_s / forwards if forwards else 0.0,
             Target.CACHE_HIT_FRAC: cached / batches if batches else 0.0,
@@ -494,7 +516,7 @@ class TargetServer:
         depth, per_bucket = self.scheduler.depths()
         return P.Status(
             uptime_s=now - self._started_at,
-            tokens_per_s=self._tokens_per_s,
+            tokens_per_s=self._status_tokens_per_s,
             queue_depth=depth,
             bucket_depths=per_bucket,
             drafters=self.coord.status_rows(now),
