@@ -103,10 +103,11 @@ def _time_limits(stages: list[int], deadline: float, drafters: int):
         yield max(0.0, left * prompts / sum(stages[i:]))
 
 
-def _of_requested(report: dict) -> str:
-    """" of 64 (the hour's limit)" where the time limit left prompts undecoded."""
+def _cut(report: dict) -> tuple[str, str]:
+    """(" of 64", "the hour's limit cut the rest") where the time limit left prompts undecoded, else empty."""
     requested = report.get("prompts_requested", report["num_prompts"])
-    return f" of {requested} (the hour's limit)" if requested > report["num_prompts"] else ""
+    cut = requested > report["num_prompts"]
+    return (f" of {requested}", "the hour's limit cut the rest") if cut else ("", "")
 
 
 def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     lines, ok = summarize(run_dir)
     plots = _plots(run_dir)
 
-    setup = f" ({setup_minutes:.1f} of them before this script: .venv)" if setup_minutes >= 0.05 else ""
-    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all{setup}, {train_minutes:.1f} min of training"
+    setup = f", .venv {setup_minutes:.1f} of them" if setup_minutes >= 0.05 else ""
+    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all{setup}; {train_minutes:.1f} min of training"
           f"{', stopped by the time limit' if timed_out else ''}) ===")
     print("\n".join(lines))
     summary = {"config": args.config, "overrides": args.overrides, "total_minutes": total_minutes,
@@ -265,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {drafter_id}: no final evaluation")
             continue
         rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
+        of, why = _cut(report)
         print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
-              f"{report['num_prompts']}{_of_requested(report)} held-out prompts ({report['prompt_source']}, "
+              f"{report['num_prompts']}{of} held-out prompts ({why + '; ' if why else ''}{report['prompt_source']}, "
               f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
               + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
@@ -281,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             how = ["one draft a step" if k == 1 else f"the first {k} drafts of each block"]
             if fewer["draft_confidence"]:
                 how.append(f"cut below confidence {fewer['draft_confidence']:g}")
+            of, why = _cut(fewer)
             print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} drafts a step instead of "
-                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']}{_of_requested(fewer)} prompts): "
-                  f"tau {fewer['tau']:.3f}"
-                  f"{stderr_text(fewer)}, speculative "
+                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']}{of} prompts{', ' + why if why else ''}): "
+                  f"tau {fewer['tau']:.3f}{stderr_text(fewer)}, speculative "
                   f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
                   f"{fewer['speedup']:.2f}x")
         for r in (report, fewer or {}):
