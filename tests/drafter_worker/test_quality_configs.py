@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,8 +80,6 @@ def test_quality_rejects_decoding_settings_the_recipe_cannot_run_before_touching
 def test_final_evaluations_share_the_minutes_left_by_prompts_and_reserve_the_exports():
     # 64 + 16 prompts for each of two drafters, 1,000 s left after the exports' reserve: the first
     # evaluation gets 64/160 of it; an evaluation that ends early leaves its seconds to the next.
-    import time
-
     from deploy.quality import EXPORT_RESERVE_S, _time_limits
 
     limits = _time_limits([64, 16, 64, 16], time.time() + 1000.0 + 2 * EXPORT_RESERVE_S, drafters=2)
@@ -88,3 +89,13 @@ def test_final_evaluations_share_the_minutes_left_by_prompts_and_reserve_the_exp
     assert next(limits) == pytest.approx(1000.0, abs=1.0)  # the last gets all that is left
     past = _time_limits([64, 16], time.time() - 60.0, drafters=1)
     assert next(past) == next(past) == 0.0  # past the hour: each evaluation decodes its minimum
+
+
+def test_make_quality_counts_the_hour_from_makes_start():
+    # make reads the Makefile before it builds .venv: the hour's start is make's, so .venv counts.
+    before = int(time.time())
+    lines = subprocess.run(["make", "-n", "quality"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    after = int(time.time())
+    (line,) = [line for line in lines.splitlines() if "deploy/quality.py" in line]
+    argv = shlex.split(line)
+    assert before <= int(argv[argv.index("--started-at") + 1]) <= after
