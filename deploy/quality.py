@@ -127,6 +127,80 @@ def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]
     return [((t - t0) / 60.0, step, tau) for t, step, tau in points]
 
 
+def _print_summary(run_dir: Path, args: argparse.Namespace, results: dict, fewer_eval: bool, *,
+                   total_minutes: float, setup_minutes: float, train_minutes: float, timed_out: bool) -> bool:
+    """Print the summary and write ``<run>/summary.json``; False where an evaluation is missing."""
+    lines, ok = summarize(run_dir)
+    plots = _plots(run_dir)
+
+    setup = f", .venv {setup_minutes:.1f} of them" if setup_minutes >= 0.05 else ""
+    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all{setup}; {train_minutes:.1f} min of training"
+          f"{', stopped by the time limit' if timed_out else ''}) ===")
+    print("\n".join(lines))
+    summary = {"config": args.config, "overrides": args.overrides, "total_minutes": total_minutes,
+               "setup_minutes": setup_minutes,
+               "train_minutes": train_minutes, "timed_out": timed_out, "drafters": {}}
+    for drafter_id, result in results.items():
+        report = result["report"]
+        if report is None:
+            ok = False
+            print(f"  {drafter_id}: no final evaluation")
+            continue
+        rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
+        of, why = _cut(report)
+        print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
+              f"{report['num_prompts']}{of} held-out prompts ({why + '; ' if why else ''}{report['prompt_source']}, "
+              f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
+              + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
+        print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
+        print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
+              f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
+        fewer = result["fewer"]
+        if fewer_eval and fewer is None:
+            ok = False
+            print("    no evaluation with fewer drafts a step")
+        if fewer is not None:
+            k = fewer["draft_tokens"]
+            how = ["one draft a step" if k == 1 else f"the first {k} drafts of each block"]
+            if fewer["draft_confidence"]:
+                how.append(f"cut below confidence {fewer['draft_confidence']:g}")
+            of, why = _cut(fewer)
+            print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} drafts a step instead of "
+                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']}{of} prompts{', ' + why if why else ''}): "
+                  f"tau {fewer['tau']:.3f}{stderr_text(fewer)}, speculative "
+                  f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
+                  f"{fewer['speedup']:.2f}x")
+        for r in (report, fewer or {}):
+            if r.get("greedy_mismatches"):
+                print(f"    WARNING: {r['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
+        curve = result["tau_curve"]
+        if curve:
+            print("    tau during training (min: tau): " + ", ".join(f"{m:.0f}: {t:.2f}" for m, t in
+                                                                  [(c[0], c[2]) for c in curve]))
+        print(f"    exported drafter: {result['export'] or 'export failed'}")
+        summary["drafters"][drafter_id] = {
+            "step": report["step"], "tau": report["tau"], "tau_stderr": report.get("tau_stderr"),
+            "num_prompts": report["num_prompts"], "prompts_requested": report.get("prompts_requested"),
+            "acceptance_rate": report["acceptance_rate"],
+            "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
+            "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
+        }
+        if fewer is not None:
+            summary["drafters"][drafter_id]["fewer_drafts"] = {
+                k: fewer[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "num_prompts", "tau",
+                                      "acceptance_rate", "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
+    for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
+        print(f"  {line}")
+    if plots:
+        print("  plots: " + ", ".join(str(p) for p in plots))
+    print(f"  run directory: {run_dir}")
+    summary["plots"] = [str(p) for p in plots]
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(run_dir / "summary.json")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "quality.toml"))
@@ -249,74 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             results[drafter_id] = {"report": report, "fewer": fewer, "export": str(export) if export else None,
                                    "tau_curve": _eval_curve(run_dir, drafter_id)}
     total_minutes = (time.monotonic() - started) / 60.0 + setup_minutes
-    lines, ok = summarize(run_dir)
-    plots = _plots(run_dir)
-
-    setup = f", .venv {setup_minutes:.1f} of them" if setup_minutes >= 0.05 else ""
-    print(f"\n=== DFlash quality summary ({total_minutes:.1f} min in all{setup}; {train_minutes:.1f} min of training"
-          f"{', stopped by the time limit' if timed_out else ''}) ===")
-    print("\n".join(lines))
-    summary = {"config": args.config, "overrides": args.overrides, "total_minutes": total_minutes,
-               "setup_minutes": setup_minutes,
-               "train_minutes": train_minutes, "timed_out": timed_out, "drafters": {}}
-    for drafter_id, result in results.items():
-        report = result["report"]
-        if report is None:
-            ok = False
-            print(f"  {drafter_id}: no final evaluation")
-            continue
-        rates = " ".join("n/a" if r is None else f"{r:.2f}" for r in report["acceptance_rate"])
-        of, why = _cut(report)
-        print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
-              f"{report['num_prompts']}{of} held-out prompts ({why + '; ' if why else ''}{report['prompt_source']}, "
-              f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
-              + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
-        print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
-        print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
-              f"tok/s: {report['speedup']:.2f}x (same machine, side by side)")
-        fewer = result["fewer"]
-        if fewer_eval and fewer is None:
-            ok = False
-            print("    no evaluation with fewer drafts a step")
-        if fewer is not None:
-            k = fewer["draft_tokens"]
-            how = ["one draft a step" if k == 1 else f"the first {k} drafts of each block"]
-            if fewer["draft_confidence"]:
-                how.append(f"cut below confidence {fewer['draft_confidence']:g}")
-            of, why = _cut(fewer)
-            print(f"    verifying {', '.join(how)} ({fewer['drafts_per_step']:.2f} drafts a step instead of "
-                  f"{report['drafts_per_step']:.2f}; {fewer['num_prompts']}{of} prompts{', ' + why if why else ''}): "
-                  f"tau {fewer['tau']:.3f}{stderr_text(fewer)}, speculative "
-                  f"{fewer['spec_tokens_per_s']:.1f} tok/s vs plain greedy {fewer['plain_tokens_per_s']:.1f} tok/s: "
-                  f"{fewer['speedup']:.2f}x")
-        for r in (report, fewer or {}):
-            if r.get("greedy_mismatches"):
-                print(f"    WARNING: {r['greedy_mismatches']} prompt(s) differ from plain greedy decoding")
-        curve = result["tau_curve"]
-        if curve:
-            print("    tau during training (min: tau): " + ", ".join(f"{m:.0f}: {t:.2f}" for m, t in
-                                                                  [(c[0], c[2]) for c in curve]))
-        print(f"    exported drafter: {result['export'] or 'export failed'}")
-        summary["drafters"][drafter_id] = {
-            "step": report["step"], "tau": report["tau"], "tau_stderr": report.get("tau_stderr"),
-            "num_prompts": report["num_prompts"], "prompts_requested": report.get("prompts_requested"),
-            "acceptance_rate": report["acceptance_rate"],
-            "spec_tokens_per_s": report["spec_tokens_per_s"], "plain_tokens_per_s": report["plain_tokens_per_s"],
-            "speedup": report["speedup"], "export": result["export"], "tau_curve": curve,
-        }
-        if fewer is not None:
-            summary["drafters"][drafter_id]["fewer_drafts"] = {
-                k: fewer[k] for k in ("draft_tokens", "draft_confidence", "drafts_per_step", "num_prompts", "tau",
-                                      "acceptance_rate", "spec_tokens_per_s", "plain_tokens_per_s", "speedup")}
-    for line in offline_upload_lines(run_dir):  # one run per drafter plus the target, and the upload command
-        print(f"  {line}")
-    if plots:
-        print("  plots: " + ", ".join(str(p) for p in plots))
-    print(f"  run directory: {run_dir}")
-    summary["plots"] = [str(p) for p in plots]
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(run_dir / "summary.json")
+    ok = _print_summary(run_dir, args, results, fewer_eval, total_minutes=total_minutes,
+                        setup_minutes=setup_minutes, train_minutes=train_minutes, timed_out=timed_out)
     bad = {k: v for k, v in codes.items() if v not in (0, -15)}
     if bad:
         print(f"quality: processes did not exit cleanly: {bad}", file=sys.stderr)
