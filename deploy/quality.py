@@ -43,7 +43,7 @@ from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
 from deploy.demo import STOP_TIMEOUT_S, _plots, summarize  # noqa: E402
 from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
-from tools.eval import stderr_text  # noqa: E402
+from tools.eval import of_requested, stderr_text  # noqa: E402
 
 TRAIN_MINUTES = 47.0  # training stops this long after the start; the hour holds it with evaluation and export
 # tau's standard error over 16 prompts is about 0.10 at tau 2, over 64 about 0.05 (docs/recipe.md, session 24):
@@ -105,26 +105,8 @@ def _time_limits(stages: list[int], deadline: float, drafters: int):
 
 def _cut(report: dict) -> tuple[str, str]:
     """(" of 64", "the hour's limit cut the rest") where the time limit left prompts undecoded, else empty."""
-    requested = report.get("prompts_requested", report["num_prompts"])
-    cut = requested > report["num_prompts"]
-    return (f" of {requested}", "the hour's limit cut the rest") if cut else ("", "")
-
-
-def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
-    """(minutes since the run's first record, step, tau) of every --watch evaluation."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    t0, points = None, []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        t0 = rec["time"] if t0 is None else min(t0, rec["time"])
-        if rec.get("source") == f"drafter/{drafter_id}" and "eval/tau" in rec.get("values", {}):
-            points.append((rec["time"], int(rec["step"]), float(rec["values"]["eval/tau"])))
-    return [((t - t0) / 60.0, step, tau) for t, step, tau in points]
+    of = of_requested(report)
+    return of, "the hour's limit cut the rest" if of else ""
 
 
 def _print_summary(run_dir: Path, args: argparse.Namespace, results: dict, fewer_eval: bool, *,

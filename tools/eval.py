@@ -364,10 +364,10 @@ def stderr_text(report: dict[str, Any]) -> str:
     return "" if err is None or math.isnan(err) else f" +- {err:.3f}"
 
 
-def prompts_cut_text(report: dict[str, Any]) -> str:
-    """" of N, time limit" when --time-limit-s left prompts undecoded; else nothing."""
+def of_requested(report: dict[str, Any]) -> str:
+    """" of M" when --time-limit-s left some of the M prompts undecoded; else nothing."""
     requested = report.get("prompts_requested", report["num_prompts"])
-    return f" of {requested}, time limit" if requested > report["num_prompts"] else ""
+    return f" of {requested}" if requested > report["num_prompts"] else ""
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -375,7 +375,8 @@ def format_report(report: dict[str, Any]) -> str:
     rates = " ".join(f"{r:.2f}" for r in report["acceptance_rate"])
     lines = [
         f"=== DFlash eval: {report['run']} drafter {report['drafter']} step {report['step']} ===",
-        f"  target: {report['target']}  prompts: {report['num_prompts']}{prompts_cut_text(report)} "
+        f"  target: {report['target']}  prompts: {report['num_prompts']}"
+        f"{of_requested(report) + ', time limit' if of_requested(report) else ''} "
         f"({report['prompt_source']})  "
         f"max new tokens: {report['max_new_tokens']}  temperature: {report['temperature']:g}",
         f"  tau: {report['tau']:.3f}{stderr_text(report)} tokens/step (block size {report['block_size']}, "
