@@ -146,6 +146,7 @@ class TargetConfig:
     threads: int = _doc("torch CPU threads for the target; 0 keeps torch's default", 0)
     ready_batches: int = _doc("captured-batch buffers per length bucket (how far the target may run ahead)", 3)
     feature_cache_gb: float = _doc("keep each training sample's captured features (on target.device) up to this many GB, so later epochs run no target forward; 0 = off", 0.0)
+    feature_cache_keep_free_gb: float = _doc("the feature cache stops growing where it would leave less than this many GB of the device's memory free (on CPU: host RAM and any cgroup memory limit, shared with the drafters; on CUDA: the GPU's)", 2.0)
     stop_timeout_s: float = _doc("on SIGTERM, finish within this many seconds or exit hard (must exceed transport.timeout_s: a pair being formed cannot be interrupted)", 90.0)
     replicas: int = _doc("target processes serving the plan; replica r serves the plan indices i with i mod replicas == r (docs/architecture.md)", 1)
     replica: int = _doc("which replica this target process is (dflash-target --replica R)", 0)
@@ -164,6 +165,8 @@ class TargetConfig:
         _require(self.threads >= 0, "target.threads", "must be >= 0", self.threads)
         _require(self.ready_batches >= 1, "target.ready_batches", "must be >= 1", self.ready_batches)
         _require(self.feature_cache_gb >= 0, "target.feature_cache_gb", "must be >= 0", self.feature_cache_gb)
+        _require(self.feature_cache_keep_free_gb >= 0, "target.feature_cache_keep_free_gb", "must be >= 0",
+                 self.feature_cache_keep_free_gb)
         _require(self.stop_timeout_s > 0, "target.stop_timeout_s", "must be > 0", self.stop_timeout_s)
 
 

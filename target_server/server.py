@@ -49,6 +49,7 @@ from target_server.coordinator import Admission, Coordinator
 from target_server.data import build_dataset, fingerprint, token_ranking
 from target_server.data_plane import DataPlane, Endpoint, make_data_plane
 from target_server.feature_cache import FeatureCache
+from target_server.memory_headroom import available_bytes
 from common.model_loader import embedding_weights, final_norm_weight, load_target, pick_mask_token_id
 from target_server.scheduler import BatchScheduler, ReadyBatch
 
@@ -110,7 +111,9 @@ class TargetServer:
         self._captured_batches = 0
         self._forward_batches = 0  # batches that ran the model (the rest came from the feature cache)
         self._cached_batches = 0
-        self.feature_cache = FeatureCache(int(cfg.target.feature_cache_gb * 1e9))
+        self.feature_cache = FeatureCache(int(cfg.target.feature_cache_gb * 1e9),
+                                          int(cfg.target.feature_cache_keep_free_gb * 1e9),
+                                          lambda: available_bytes(self.device))
         self._captured_tokens = 0
         self._padded_tokens = 0
         self._forward_s = 0.0
@@ -331,13 +334,26 @@ class TargetServer:
                 self.feature_cache.fill(planned.sample_ids, features)
             else:
                 self.capture.run(ids.long(), features)
-                self.feature_cache.store(planned.sample_ids, [min(len(s), layout.seq_len) for s in samples], features)
+                self._cache_features(planned.sample_ids, [min(len(s), layout.seq_len) for s in samples], features)
         ready_event = stream.record()
         elapsed = time.perf_counter() - start
         pool_slot, shm_tag = self.plane.publish(planned.bucket, buf)
         ready = ReadyBatch(index, planned.epoch, planned.bucket, list(planned.sample_ids), real, buf, layout,
                            from_cache=cached, ready_event=ready_event, shm_slot=pool_slot, shm_tag=shm_tag)
         return ready, elapsed
+
+    def _cache_features(self, sample_ids: list[int], lengths: list[int], features: torch.Tensor) -> None:
+        cache = self.feature_cache
+        was_full = cache.full
+        cache.store(sample_ids, lengths, features)
+        if cache.full and not was_full:
+            why = (f"{cache.stopped_for_memory / 1e9:.1f} GB of memory were left and it keeps "
+                   f"target.feature_cache_keep_free_gb = {self.cfg.target.feature_cache_keep_free_gb:g} free"
+                   if cache.stopped_for_memory is not None else
+                   f"target.feature_cache_gb = {self.cfg.target.feature_cache_gb:g} is spent")
+            logger.warning("[cache] the feature cache stops growing at %.2f GB (%d samples): %s; "
+                           "batches with other samples run the target's forward pass in every epoch",
+                           cache.nbytes / 1e9, len(cache), why)
 
     def _count_captured(self, ready: ReadyBatch, elapsed: float) -> None:
         with self._stats_lock:

@@ -59,6 +59,21 @@ def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, ti
     assert state["step"] == report.final_step
 
 
+def test_a_cache_the_memory_cannot_hold_stops_growing_and_the_target_computes_every_epoch(tmp_path, tiny_llama_dir):
+    # Keep 1 PB free: no machine has it, so the cache takes nothing, says why, and both epochs run the forward pass.
+    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {}},
+                          sections={"target": ["feature_cache_gb = 1.0", "feature_cache_keep_free_gb = 1e6"],
+                                    "data": ["num_epochs = 2"]})
+    run_dir, job = run_plan(tmp_path, config)
+    log = (run_dir / "logs" / "target.log").read_text()
+    assert "[cache] the feature cache stops growing at 0.00 GB (0 samples):" in log
+    assert "target.feature_cache_keep_free_gb = 1e+06 free" in log
+    target = [r["values"] for r in job.metrics() if r["source"] == "target"]
+    assert max(v["cache_hit_frac"] for v in target) == 0 and max(v["feature_cache_gb"] for v in target) == 0
+    report = verify_lineage(run_dir, "d0")
+    assert report.ok and report.finished_epochs == [0, 1], report.problems
+
+
 def poisoned_target(source: Path, out: Path) -> Path:
     """A copy of the tiny target whose first layer outputs inf: every captured feature is non-finite."""
     import shutil

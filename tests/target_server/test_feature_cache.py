@@ -36,3 +36,19 @@ def test_budget_bounds_the_cache_and_disabled_cache_serves_nothing():
     off = FeatureCache(max_bytes=0)
     off.store([0], [4], captured(1, 4, 8, 3))
     assert not off.enabled and len(off) == 0 and not off.covers([0])
+
+
+def test_the_memory_floor_stops_the_cache_before_the_budget_and_says_how_much_was_free():
+    free = [10_000]  # bytes the device reports free
+    cache = FeatureCache(max_bytes=1 << 20, keep_free_bytes=4_000, available_bytes=lambda: free[0])
+    cache.store([0], [10], captured(1, 10, 8, 4))  # 320 bytes: 9,680 stay free
+    assert len(cache) == 1 and not cache.full
+    free[0] = 4_200  # the drafters grew: 320 more bytes would leave 3,880 < 4,000
+    cache.store([1], [10], captured(1, 10, 8, 5))
+    assert len(cache) == 1 and cache.full and cache.stopped_for_memory == 4_200
+    free[0] = 1 << 30  # memory came back: the cache stays as it is (first come, kept)
+    cache.store([2], [10], captured(1, 10, 8, 6))
+    assert len(cache) == 1 and cache.covers([0])
+    unknown = FeatureCache(max_bytes=1 << 20, keep_free_bytes=1 << 40, available_bytes=lambda: None)
+    unknown.store([0], [10], captured(1, 10, 8, 7))  # a device that does not say: only the budget bounds it
+    assert len(unknown) == 1 and unknown.stopped_for_memory is None
