@@ -45,11 +45,12 @@ def test_kills_and_restarts_lose_nothing_and_repeat_nothing(tmp_path, tiny_llama
         tmp_path, str(tiny_llama_dir), drafters={"d0": {}, "d1": {"seed": 1}},
         extra="",
     )
-    # One epoch over the whole corpus at 256 tokens a sample (one sample a
-    # batch, ~700 steps): long enough that every fault below lands while both
-    # drafters still have work, even on a slow CI machine. Checkpoints every 3 steps.
+    # One epoch of 400 samples of 256 tokens (one sample a batch, 400 steps): every
+    # fault below has landed by about step 130 (a third of it), so both drafters
+    # still have work when the last one lands, even on a slow CI machine; the
+    # guard before the target's kill says so if not. Checkpoints every 3 steps.
     text = (config.read_text()
-            .replace("max_samples = 80", "max_samples = 0\nnum_epochs = 1")
+            .replace("max_samples = 80", "max_samples = 400\nnum_epochs = 1")
             .replace("max_seq_len = 64", "max_seq_len = 256")
             .replace("bucket_lengths = [32, 64]", "bucket_lengths = [128, 256]")
             .replace("checkpoint_every_steps = 4", "checkpoint_every_steps = 3")
