@@ -109,6 +109,23 @@ def _cut(report: dict) -> tuple[str, str]:
     return of, "the hour's limit cut the rest" if of else ""
 
 
+def _eval_curve(run_dir: Path, drafter_id: str) -> list[tuple[float, int, float]]:
+    """(minutes since the run's first record, step, tau) of every --watch evaluation."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    t0, points = None, []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        t0 = rec["time"] if t0 is None else min(t0, rec["time"])
+        if rec.get("source") == f"drafter/{drafter_id}" and "eval/tau" in rec.get("values", {}):
+            points.append((rec["time"], int(rec["step"]), float(rec["values"]["eval/tau"])))
+    return [((t - t0) / 60.0, step, tau) for t, step, tau in points]
+
+
 def _print_summary(run_dir: Path, args: argparse.Namespace, results: dict, fewer_eval: bool, *,
                    total_minutes: float, setup_minutes: float, train_minutes: float, timed_out: bool) -> bool:
     """Print the summary and write ``<run>/summary.json``; False where an evaluation is missing."""
