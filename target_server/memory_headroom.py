@@ -29,14 +29,16 @@ def _read_int(path: Path) -> int | None:
 
 
 def _inactive_file(stat: Path) -> int:
+    # cgroup v1's usage counts the children too, as its total_inactive_file does; v2 has only inactive_file.
+    found: dict[str, int] = {}
     try:
         for line in stat.read_text().splitlines():
             key, _, value = line.partition(" ")
             if key in ("inactive_file", "total_inactive_file") and value.strip().isdigit():
-                return int(value)
+                found[key] = int(value)
     except OSError:
         pass
-    return 0
+    return found.get("total_inactive_file", found.get("inactive_file", 0))
 
 
 def _meminfo_available(proc: Path) -> int | None:

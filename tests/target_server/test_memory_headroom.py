@@ -45,7 +45,7 @@ def test_cgroup_v1_memory_controller_and_a_full_group(tmp_path):
     proc, root = fake_host(tmp_path, "5:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/\n", 20 * GB // 1024)
     write_group(root / "memory" / "docker" / "abc",
                 {"memory.limit_in_bytes": str(4 * GB), "memory.usage_in_bytes": str(4 * GB + 5),
-                 "memory.stat": "cache 0\ntotal_inactive_file 0\n"})
+                 "memory.stat": "inactive_file 7\ntotal_inactive_file 0\n"})
     write_group(root / "memory", {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": str(GB)})
     assert host_available_bytes(proc, root) == 0  # over its limit: nothing more may be taken
 
