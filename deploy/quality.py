@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
     parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
+    parser.add_argument("--progress-every-s", type=float, default=30.0,
+                        help="how often a progress line (steps, target tokens/s, the watcher's newest tau) is printed")
     parser.add_argument("--draft-tokens", type=int,
                         help="also evaluate verifying only the first N drafts of each block (default "
                              f"{CPU_DRAFT_TOKENS} for a CPU target, else 0 = the whole block)")
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     if job.poll(name) is not None:
                         print(f"quality: {name} exited with {job.poll(name)}; see {log_dir}/{name}.log", file=sys.stderr)
                         return 1
-                status = job.status(cfg.control.address) if elapsed - last_print >= 30.0 else None
+                status = job.status(cfg.control.address) if elapsed - last_print >= args.progress_every_s else None
                 if status is not None:
                     last_print = elapsed
                     if train_started is None and any(d.step > 0 for d in status.drafters):

@@ -26,9 +26,9 @@ def test_quality_launcher_trains_until_its_time_limit_then_evaluates_exports_and
                           sections={"data": [f"source = {json.dumps(str(data))}", "heldout_fraction = 0.1",
                                              "num_epochs = 1000"]})
     config.write_text(config.read_text().replace("max_samples = 80", "max_samples = 0"))
-    # 45 s of training: a progress line (every 30 s), then the time limit stops the drafter mid-plan.
+    # 24 s of training: progress lines (every 5 s), then the time limit stops the drafter mid-plan.
     result = subprocess.run(
-        [sys.executable, "deploy/quality.py", "--config", str(config), "--train-minutes", "0.75",
+        [sys.executable, "deploy/quality.py", "--config", str(config), "--train-minutes", "0.4", "--progress-every-s", "5",
          "--eval-every-s", "5", "--eval-prompts", "3", "--fewer-eval-prompts", "2", "--eval-tokens", "8",
          "--eval-threads", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=280)
