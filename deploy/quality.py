@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.total_minutes > 0:
         print(f"quality: --total-minutes must be > 0, got {args.total_minutes:g}", file=sys.stderr)
         return 2
+    if not args.progress_every_s > 0:
+        print(f"quality: --progress-every-s must be > 0, got {args.progress_every_s:g}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
         drafter_ids = drafter_ids_in(args.config) or [cfg.drafter.id]
