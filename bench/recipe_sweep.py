@@ -209,10 +209,10 @@ def sweep_dataset(cfg, loaded, samples: int):
                          num_proc=cfg.data.num_proc, cache_dir=cfg.data.cache_dir)
 
 
-def feature_cache_path(feature_dir: str, cfg, num_train: int, layer_ids: list[int]) -> Path:
-    """Where the captured features of this data and these layers are kept between runs."""
-    key = hashlib.sha256(json.dumps([cfg.data.source, os.path.getsize(cfg.data.source), num_train,
-                                     layer_ids]).encode()).hexdigest()[:12]
+def feature_cache_path(feature_dir: str, cfg, num_train: int, layer_ids: list[int], dtype: str = "float32") -> Path:
+    """Where the captured features of this data, these layers and this target dtype are kept between runs."""
+    parts = [cfg.data.source, os.path.getsize(cfg.data.source), num_train, layer_ids]
+    key = hashlib.sha256(json.dumps(parts if dtype == "float32" else [*parts, dtype]).encode()).hexdigest()[:12]
     return Path(feature_dir) / f"features-{key}.pt"
 
 
@@ -255,21 +255,32 @@ def main() -> int:
     mask_id = pick_mask_token_id(loaded.tokenizer, None, vocab_size=loaded.vocab_size)
     captured: dict[tuple, dict] = {}
 
-    def features(layer_ids: list[int]) -> dict:
-        """The training samples' features of these target layers (captured once, kept on disk)."""
-        if tuple(layer_ids) not in captured:
+    targets = {"float32": loaded}
+
+    def features(layer_ids: list[int], dtype: str = "float32") -> dict:
+        """The training samples' features of these target layers, the target run in ``dtype`` (a variant's
+        ``target.dtype``) for the trained samples; the held-out ones always come from the float32 target,
+        so variants are scored on the same features. Captured once, kept on disk."""
+        key = (tuple(layer_ids), dtype)
+        if key not in captured:
             captured.clear()  # one layer set in memory at a time
             t0 = time.monotonic()
-            cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids)
+            cache = feature_cache_path(args.feature_dir, cfg, len(ds.train), layer_ids, dtype)
             if cache.is_file():
-                captured[tuple(layer_ids)] = torch.load(cache)
+                captured[key] = torch.load(cache)
             else:
-                captured[tuple(layer_ids)] = capture_all(loaded, layer_ids, ds.train)
+                if dtype not in targets:
+                    targets[dtype] = load_target(cfg.target.model, device="cpu", dtype=getattr(torch, dtype))
+                feats = capture_all(targets[dtype], layer_ids, ds.train)
+                if dtype != "float32":
+                    feats.update({j: f for j, f in features(layer_ids).items() if j >= n_train})
+                    captured.clear()
+                captured[key] = feats
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(captured[tuple(layer_ids)], cache)
-            print(f"features of layers {layer_ids} for {len(ds.train)} samples ready in "
+                torch.save(feats, cache)
+            print(f"features of layers {layer_ids} ({dtype} target) for {len(ds.train)} samples ready in "
                   f"{time.monotonic() - t0:.0f}s ({cache})", flush=True)
-        return captured[tuple(layer_ids)]
+        return captured[key]
     embed, head, _ = embedding_weights(loaded.model)
     embed, head = embed.float(), head.float()
     n_train = len(ds.train) - args.holdout
@@ -295,7 +306,7 @@ def main() -> int:
         vcfg = dataclasses.replace(full.drafter, decay_steps=0, decay_minutes=0.0)
         layer_ids = full.target.target_layer_ids or build_target_layer_ids(loaded.num_layers,
                                                                             full.target.num_captured_layers)
-        feats = features(layer_ids)
+        feats = features(layer_ids, full.target.dtype)
         config = make_drafter_config(
             hidden_size=loaded.hidden_size, num_attention_heads=arch.num_attention_heads,
             num_key_value_heads=vcfg.num_key_value_heads or arch.num_key_value_heads, head_dim=loaded.hidden_size // arch.num_attention_heads,

@@ -139,7 +139,7 @@ class TargetConfig:
     model: str = _doc("'smollm2' (the packaged GGUF), a .gguf file, a Hugging Face model directory, or a cached hub id", "smollm2")
     tokenizer: str = _doc("tokenizer source when the model directory has none; empty = same as model", "")
     device: str = _doc("device of the target forward pass: cpu or cuda[:N]", "cpu")
-    dtype: str = _doc("dtype of the target forward and of the features sent: float32 or bfloat16 (use float32 on CPU)", "float32")
+    dtype: str = _doc("dtype of the target forward and of the features sent: float32, bfloat16, float16, or auto = bfloat16 where the device computes it fast (a GPU, a CPU with AVX512-BF16 or AMX), else float32 (bf16 is emulated, 4x slower, on other CPUs)", "float32")
     num_captured_layers: int = _doc("how many target layers the drafter reads (DFlash rule picks which)", 5)
     target_layer_ids: list[int] = _doc("explicit layer ids to capture; empty = build_target_layer_ids rule", default_factory=list)
     mask_token_id: int = _doc("token id used for the masked block slots; -1 picks an unused special token", -1)
@@ -159,7 +159,8 @@ class TargetConfig:
                  self.replica)
         _require(not self.devices or len(self.devices) == self.replicas, "target.devices",
                  f"must be empty or name target.replicas = {self.replicas} devices", self.devices)
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype", "must be float32, bfloat16 or float16", self.dtype)
+        _require(self.dtype in ("float32", "bfloat16", "float16", "auto"), "target.dtype",
+                 "must be float32, bfloat16, float16 or auto", self.dtype)
         _require(self.num_captured_layers >= 1, "target.num_captured_layers", "must be >= 1", self.num_captured_layers)
         _require(all(i >= 0 for i in self.target_layer_ids), "target.target_layer_ids", "must be non-negative", self.target_layer_ids)
         _require(self.threads >= 0, "target.threads", "must be >= 0", self.threads)
@@ -218,6 +219,7 @@ class DrafterConfig:
     threads: int = _doc("torch CPU threads; 0 keeps torch's default", 0)
     threads_while_capturing: int = _doc("torch CPU threads while the batches come from the target's forward pass, drafter.threads once they come from its feature cache: a target on the same CPU computes meanwhile, and more threads than cores slow both processes (make quality: 1 beside a 1-thread target on 2 cores); 0 = drafter.threads throughout", 0)
     matmul_precision: str = _doc("torch.set_float32_matmul_precision for the drafter: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 passes)", "highest")
+    autocast: str = _doc("the training step's forward and backward under torch.autocast in this dtype, the weights, gradients and optimizer state staying float32: bfloat16, auto (bfloat16 where the device computes it fast: a GPU, a CPU with AVX512-BF16 or AMX) or '' (float32 throughout)", "")
     num_layers: int = _doc("decoder layers of the drafter", 1)
     block_size: int = _doc("tokens predicted per block (slot 0 is the anchor)", 16)
     num_key_value_heads: int = _doc("key/value heads of the drafter's attention (a divisor of the target's attention heads); 0 = the target's", 0)
@@ -259,6 +261,8 @@ class DrafterConfig:
         _require(self.num_layers >= 1, "drafter.num_layers", "must be >= 1", self.num_layers)
         _require(self.matmul_precision in ("highest", "high", "medium"), "drafter.matmul_precision",
                  "must be highest, high or medium", self.matmul_precision)
+        _require(self.autocast in ("", "auto", "bfloat16"), "drafter.autocast", "must be '', 'auto' or 'bfloat16'",
+                 self.autocast)
         _require(self.block_size >= 2, "drafter.block_size", "must be >= 2", self.block_size)
         _require(0.0 <= self.reveal_fraction <= 1.0, "drafter.reveal_fraction", "must be in [0, 1]", self.reveal_fraction)
         _require(1 <= self.denoise_passes <= max(1, self.block_size - 1), "drafter.denoise_passes",

@@ -1,4 +1,5 @@
-"""Which GPU a thread works on, and which dtype the frozen target weights keep.
+"""Which GPU a thread works on, which dtype the frozen target weights keep, and
+where bfloat16 is the fast dtype.
 
 CUDA's current device is per thread and every new thread starts on device 0.
 Anything that reads the current device instead of a tensor's (Triton launches,
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["head_dtype", "use_device"]
+__all__ = ["fast_bf16", "head_dtype", "resolve_dtype", "use_device"]
 
 
 def use_device(device: torch.device | str) -> None:
@@ -34,3 +35,23 @@ def head_dtype(device: torch.device | str, wire_dtype: torch.dtype) -> torch.dty
     head sits in GPU memory. Elsewhere fp32: bf16 matmuls are slow on CPUs.
     """
     return wire_dtype if torch.device(device).type == "cuda" else torch.float32
+
+
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls on ``device`` beat fp32 ones: a CUDA GPU with bf16 support, or a CPU
+    with AVX512-BF16 or AMX (there oneDNN's bf16 matmul runs about 3x fp32's; on AVX2-only CPUs
+    it is emulated and about 4x slower, docs/recipe.md)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> str:
+    """A configured dtype name with ``auto`` resolved: bfloat16 where :func:`fast_bf16`, else float32."""
+    if name != "auto":
+        return name
+    return "bfloat16" if fast_bf16(device) else "float32"

@@ -74,7 +74,7 @@ def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, time_limi
     cmd = [sys.executable, "-m", "tools.eval", str(tools.run_dir), "--drafter", drafter_id,
            "--num-prompts", str(prompts), "--max-new-tokens", str(args.eval_tokens),
            "--time-limit-s", f"{time_limit_s:.0f}", "--min-prompts", str(least),
-           "--threads", str(args.eval_threads), "--json", str(out)]
+           "--threads", str(args.eval_threads), "--json", str(out), *_eval_dtype(args)]
     if fewer:
         cmd += ["--draft-confidence", str(args.draft_confidence)]
         if args.draft_tokens:
@@ -84,6 +84,11 @@ def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, time_limi
         print(f"quality: final evaluation of {drafter_id} failed (exit {code}); see {tools.log_dir}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
+
+
+def _eval_dtype(args: argparse.Namespace) -> list[str]:
+    """The evaluations' target dtype: the same reference whatever dtype the training forward ran in."""
+    return ["--set", f"target.dtype={args.eval_dtype}"] if args.eval_dtype else []
 
 
 def _export(tools: Job, drafter_id: str) -> Path | None:
@@ -149,7 +154,7 @@ def _print_summary(run_dir: Path, args: argparse.Namespace, results: dict, fewer
         of, why = _cut(report)
         print(f"  {drafter_id} at step {report['step']}: tau {report['tau']:.3f}{stderr_text(report)} on "
               f"{report['num_prompts']}{of} held-out prompts ({why + '; ' if why else ''}{report['prompt_source']}, "
-              f"{report['max_new_tokens']} new tokens, block {report['block_size']}"
+              f"{report.get('target_dtype', 'float32')} target, {report['max_new_tokens']} new tokens, block {report['block_size']}"
               + (f", {report['denoise_passes']} drafting passes" if report.get("denoise_passes", 1) > 1 else "") + ")")
         print(f"    acceptance by block position 1..{report['block_size'] - 1}: {rates}")
         print(f"    speculative {report['spec_tokens_per_s']:.1f} tok/s vs plain greedy {report['plain_tokens_per_s']:.1f} "
@@ -220,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fewer-eval-prompts", type=int, default=FEWER_EVAL_PROMPTS,
                         help="held-out prompts of the evaluation with fewer drafts a step (--draft-tokens)")
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
+    parser.add_argument("--eval-dtype", default="float32",
+                        help="target.dtype of the evaluations (watcher and final): float32 measures tau and speed "
+                             "against the reference target whatever target.dtype trained on ('' = the config's)")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
     parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
     parser.add_argument("--progress-every-s", type=float, default=30.0,
@@ -277,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = job.log_dir
         try:
             job.start_all(drafter_ids, eval_watch_args=None if args.no_watch else [
-                "--every-s", str(args.eval_every_s), "--num-prompts", "4", "--max-new-tokens", "32", "--threads", "1"])
+                "--every-s", str(args.eval_every_s), "--num-prompts", "4", "--max-new-tokens", "32", "--threads", "1",
+                *_eval_dtype(args)])
             print(f"quality: started sidecar, target, drafters {', '.join(drafter_ids)} and their eval watchers; "
                   f"logs in {log_dir}")
             last_print = 0.0

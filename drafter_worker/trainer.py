@@ -21,6 +21,7 @@ import math
 import torch
 
 from common.config import DrafterConfig
+from common.devices import resolve_dtype
 from common.metric_names import Drafter
 from common.progress import Progress
 from drafter_worker.model.device_metrics import DeviceAccumulators
@@ -93,11 +94,16 @@ class DrafterTrainer:
         self.teacher_norm: tuple[torch.Tensor, float] | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = next(model.parameters()).device
+        self.device_type = device.type
+        self.autocast_dtype = resolve_dtype(cfg.autocast, device) if cfg.autocast else "float32"
         bs = model.block_size
         chosen = resolve_mode(device, cfg.loss_impl)
         if cfg.loss_impl == "auto" and chosen == "triton":
             chosen = f"triton up to {TRITON_MAX_ROWS} scored rows a call, chunked above"
         logger.info("[model] LM-head loss: %s (drafter.loss_impl = %s)", chosen, cfg.loss_impl)
+        if cfg.autocast:
+            logger.info("[model] training step computes in %s (drafter.autocast = %s; weights and optimizer float32)",
+                        self.autocast_dtype, cfg.autocast)
         # Consecutive non-finite steps so far (device scalar; never read in the step).
         self.nonfinite_streak = torch.zeros((), device=device)
         self.metrics = DeviceAccumulators(device, {
@@ -132,22 +138,23 @@ class DrafterTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        out = dflash_block_loss(
-            self.forward_model,
-            features=features,
-            input_ids=input_ids.long(),
-            loss_mask=loss_mask,
-            lengths=lengths,
-            embed_weight=embed_weight,
-            lm_head_weight=lm_head_weight,
-            num_anchors=self.cfg.anchors_per_sequence,
-            loss_gamma=self.cfg.loss_gamma,
-            loss_impl=self.cfg.loss_impl,
-            generator=self.generator,
-            distill_weight=self.cfg.distill_weight,
-            teacher_norm=self.teacher_norm,
-            reveal_fraction=self.cfg.reveal_fraction,
-        )
+        with self._autocast():
+            out = dflash_block_loss(
+                self.forward_model,
+                features=features,
+                input_ids=input_ids.long(),
+                loss_mask=loss_mask,
+                lengths=lengths,
+                embed_weight=embed_weight,
+                lm_head_weight=lm_head_weight,
+                num_anchors=self.cfg.anchors_per_sequence,
+                loss_gamma=self.cfg.loss_gamma,
+                loss_impl=self.cfg.loss_impl,
+                generator=self.generator,
+                distill_weight=self.cfg.distill_weight,
+                teacher_norm=self.teacher_norm,
+                reveal_fraction=self.cfg.reveal_fraction,
+            )
         (out.loss if contribute else out.loss * 0.0).backward()
         # Returns the pre-clip norm as a device tensor; clipping itself is a device op.
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
@@ -163,6 +170,10 @@ class DrafterTrainer:
         if self.collect_metrics and contribute:
             self.record_step(loss, out.correct_per_pos, out.count_per_pos, out.num_tokens, norm, finite)
         return lr
+
+    def _autocast(self) -> torch.autocast:
+        """The step's autocast context: bf16 matmuls where drafter.autocast asks for them, else a no-op."""
+        return torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.autocast_dtype == "bfloat16")
 
     def record_step(self, loss, correct_per_pos, count_per_pos, num_tokens, grad_norm, finite=None) -> None:
         """Add one step's device values to the accumulators (device ops only, no host read).
@@ -193,21 +204,22 @@ class DrafterTrainer:
         self.model.train()
         progress = Progress("drafter warm-up", total=len(shapes), unit="shapes", every_s=10.0, logger=logger)
         for batch_size, seq_len in shapes:
-            out = dflash_block_loss(
-                self.model,
-                features=torch.zeros(batch_size, seq_len, feature_dim, device=device),
-                input_ids=torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),
-                loss_mask=torch.ones(batch_size, seq_len, dtype=torch.uint8, device=device),
-                lengths=torch.full((batch_size,), seq_len, dtype=torch.int32, device=device),
-                embed_weight=embed_weight,
-                lm_head_weight=lm_head_weight,
-                num_anchors=self.cfg.anchors_per_sequence,
-                loss_gamma=self.cfg.loss_gamma,
-                loss_impl=self.cfg.loss_impl,
-                generator=generator,
-                distill_weight=self.cfg.distill_weight,
-                teacher_norm=self.teacher_norm,
-            )
+            with self._autocast():
+                out = dflash_block_loss(
+                    self.model,
+                    features=torch.zeros(batch_size, seq_len, feature_dim, device=device),
+                    input_ids=torch.zeros(batch_size, seq_len, dtype=torch.long, device=device),
+                    loss_mask=torch.ones(batch_size, seq_len, dtype=torch.uint8, device=device),
+                    lengths=torch.full((batch_size,), seq_len, dtype=torch.int32, device=device),
+                    embed_weight=embed_weight,
+                    lm_head_weight=lm_head_weight,
+                    num_anchors=self.cfg.anchors_per_sequence,
+                    loss_gamma=self.cfg.loss_gamma,
+                    loss_impl=self.cfg.loss_impl,
+                    generator=generator,
+                    distill_weight=self.cfg.distill_weight,
+                    teacher_norm=self.teacher_norm,
+                )
             out.loss.backward()
             progress.update()
         progress.close()

@@ -32,7 +32,7 @@ import zmq
 from common import protocol as P
 from common.auth import load_or_create_control_key
 from common.config import Config
-from common.devices import use_device
+from common.devices import resolve_dtype, use_device
 from common.layer_ids import build_target_layer_ids
 from common.metric_names import Target, target_source
 from common.plan_shard import Shard, plan_fingerprint, topology_id
@@ -89,7 +89,10 @@ class TargetServer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.device = torch.device(cfg.target.device)
-        self.dtype = dtype_from_name(cfg.target.dtype)
+        # The wire dtype of features and weights: target.dtype with "auto" resolved on this device (peers
+        # only ever see a concrete name, in WELCOME and in every batch message).
+        self.dtype_name = resolve_dtype(cfg.target.dtype, cfg.target.device)
+        self.dtype = dtype_from_name(self.dtype_name)
         self.transport = cfg.transport.resolve(cfg.target.device)
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -187,8 +190,8 @@ class TargetServer:
         final_norm = final_norm_weight(loaded.model)
         self.final_norm_weight = [] if final_norm is None else final_norm[0].float().cpu().tolist()
         logger.info(
-            "[startup] target %s: %d layers, hidden %d, vocab %d; capturing layers %s; mask token %d; transport %s",
-            loaded.model_id, loaded.num_layers, loaded.hidden_size, loaded.vocab_size, self.layer_ids,
+            "[startup] target %s (%s): %d layers, hidden %d, vocab %d; capturing layers %s; mask token %d; transport %s",
+            loaded.model_id, self.dtype_name, loaded.num_layers, loaded.hidden_size, loaded.vocab_size, self.layer_ids,
             self.mask_token_id, self.transport,
         )
 
@@ -395,7 +398,7 @@ class TargetServer:
             now = time.monotonic()
             self._drain_link_events(now)
             self.coord.release_due(now)
-            self._send_all(self.coord.dispatch(now, self.cfg.target.dtype))
+            self._send_all(self.coord.dispatch(now, self.dtype_name))
             if now >= next_hb:
                 next_hb = now + hb_every
                 self._heartbeat_and_reap(now)
@@ -446,7 +449,7 @@ class TargetServer:
             target_layer_ids=list(self.layer_ids),
             vocab_size=self.loaded.vocab_size,
             mask_token_id=self.mask_token_id,
-            dtype=self.cfg.target.dtype,
+            dtype=self.dtype_name,
             embed_tied=self.weights_layout.tied,
             target_arch=P.TargetArch(
                 num_attention_heads=int(cfg_model.num_attention_heads),

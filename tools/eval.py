@@ -461,6 +461,7 @@ def _setup(args: argparse.Namespace):
     import torch
 
     from common.config import ConfigError, load_config
+    from common.devices import resolve_dtype
     from common.model_loader import ModelLoadError, load_target
 
     config_path = args.run_dir / "config.toml"
@@ -473,8 +474,9 @@ def _setup(args: argparse.Namespace):
     threads = args.threads if args.threads is not None else cfg.target.threads
     if threads:
         torch.set_num_threads(threads)
+    dtype = getattr(torch, resolve_dtype(cfg.target.dtype, cfg.target.device))
     try:
-        loaded = load_target(cfg.target.model, device=cfg.target.device, dtype=getattr(torch, cfg.target.dtype),
+        loaded = load_target(cfg.target.model, device=cfg.target.device, dtype=dtype,
                              tokenizer_source=cfg.target.tokenizer or None)
     except ModelLoadError as exc:
         raise EvalError(str(exc)) from None
@@ -513,8 +515,8 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),
-        "target": loaded.model_id, "prompt_source": prompt_source,
-        "training_eal": eal, "tau_predicted_by_eal": None if eal is None else 1 + eal,
+        "target": loaded.model_id, "target_dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "prompt_source": prompt_source, "training_eal": eal, "tau_predicted_by_eal": None if eal is None else 1 + eal,
         "eval_s": time.monotonic() - started, **report,
     }
     return report

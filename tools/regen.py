@@ -235,14 +235,16 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
+        from common.devices import resolve_dtype
         from common.model_loader import ModelLoadError, load_target
 
         threads = args.threads if args.threads is not None else cfg.target.threads
         if threads:
             torch.set_num_threads(threads)
+        dtype = getattr(torch, resolve_dtype(cfg.target.dtype, cfg.target.device))
         try:
-            loaded = load_target(cfg.target.model, device=cfg.target.device,
-                                 dtype=getattr(torch, cfg.target.dtype), tokenizer_source=cfg.target.tokenizer or None)
+            loaded = load_target(cfg.target.model, device=cfg.target.device, dtype=dtype,
+                                 tokenizer_source=cfg.target.tokenizer or None)
         except ModelLoadError as exc:
             raise RegenError(str(exc)) from None
         stop_ids = _stop_ids(loaded)

@@ -70,12 +70,21 @@ class _DistillLMHeadLoss(torch.autograd.Function):
                 coefs.append(coef)
         ctx.chunk_rows = chunk_rows
         ctx.coefs = coefs if keep else None
+        # Autocast (drafter.autocast) is off when autograd runs backward: keep the forward's for its matmuls.
+        device_type = x.device.type
+        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
         ctx.save_for_backward(x, teacher, head, teacher_head, labels, hard, soft)
         ctx.mark_non_differentiable(*hits)
         return (total, torch.cat(hits) if hits else x.new_zeros(0, dtype=torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, _grad_hits: Any):
+        device_type, dtype, enabled = ctx.autocast
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return _DistillLMHeadLoss._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_loss: torch.Tensor):
         x, teacher, head, teacher_head, labels, hard, soft = ctx.saved_tensors
         step = ctx.chunk_rows
         grads = []

@@ -255,6 +255,17 @@ def test_negative_thread_counts_are_refused(key):
         load_config(None, [f"{key}=-1"])
 
 
+@pytest.mark.parametrize("override, key", [
+    ("target.dtype=bf16", "target.dtype"),
+    ("drafter.autocast=float16", "drafter.autocast"),
+])
+def test_unknown_dtypes_are_refused(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + " must be"):
+        load_config(None, [override])
+    # "auto" resolves on the host that runs the forward pass (common.devices.resolve_dtype).
+    assert load_config(None, ["target.dtype=auto", "drafter.autocast=auto"]).target.dtype == "auto"
+
+
 def test_a_head_of_its_own_needs_a_draft_vocabulary():
     with pytest.raises(ConfigError, match=r"drafter\.train_draft_head.*draft_vocab_size"):
         load_config(None, ["drafter.train_draft_head=true"])

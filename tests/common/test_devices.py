@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common import devices
-from common.devices import head_dtype, use_device
+from common.devices import fast_bf16, head_dtype, resolve_dtype, use_device
 from common.streams import SideStream
 
 GPU1 = torch.device("cuda", 1)
@@ -77,6 +77,25 @@ def test_head_dtype_keeps_the_wire_dtype_on_cuda_and_fp32_on_cpu():
     assert head_dtype(torch.device("cuda"), torch.bfloat16) == torch.bfloat16
     assert head_dtype(GPU1, torch.float16) == torch.float16
     assert head_dtype("cuda:0", torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [
+    (True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")])
+def test_auto_dtype_is_bf16_only_on_a_cpu_that_computes_it_fast(monkeypatch, avx512_bf16, amx, expected):
+    # On an AVX2-only CPU bf16 matmuls are emulated (about 4x slower than fp32): auto must not pick them there.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_dtype("auto", "cpu") == expected
+    assert fast_bf16(torch.device("cpu")) == (expected == "bfloat16")
+    for explicit in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype(explicit, "cpu") == explicit
+
+
+def test_auto_dtype_on_a_cuda_device_follows_its_bf16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for supported, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
+        assert resolve_dtype("auto", GPU1) == expected
 
 
 def test_receiver_thread_binds_its_device(set_device_calls, monkeypatch):

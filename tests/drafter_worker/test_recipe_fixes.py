@@ -42,11 +42,12 @@ def batch(vocab: int, b: int = 2, t: int = 20, seed: int = 1):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("autocast", ["", "bfloat16"], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("distill_weight", [0.0, 1.0], ids=["hard-labels", "distilled"])
-def test_nonfinite_step_changes_nothing_and_is_counted_without_a_host_read(distill_weight):
+def test_nonfinite_step_changes_nothing_and_is_counted_without_a_host_read(distill_weight, autocast):
     vocab = 64
     model = drafter(vocab)
-    trainer = trainer_for(model, distill_weight=distill_weight)
+    trainer = trainer_for(model, distill_weight=distill_weight, autocast=autocast)
     trainer.teacher_norm = (torch.ones(HIDDEN), 1e-6)  # the last HIDDEN feature columns play the target's last layer
     good = batch(vocab)
     trainer.train_step(*good)  # optimizer state exists from here on
@@ -174,13 +175,13 @@ def feature_coded_batch(vocab: int, gen: torch.Generator, b: int = 8, t: int = 2
     return features, ids, mask, torch.full((b,), t, dtype=torch.int32)
 
 
-def slot1_accuracy_after(steps: int, blind: bool) -> float:
+def slot1_accuracy_after(steps: int, blind: bool, autocast: str = "") -> float:
     vocab = 64
     model = drafter(vocab, layers=1)
     gen = torch.Generator().manual_seed(5)
     embed = torch.randn(vocab, HIDDEN, generator=gen)
     init_logit_scale(model, embed, embed, 1.0)
-    trainer = trainer_for(model, anchors_per_sequence=8, learning_rate=3e-3, warmup_steps=5)
+    trainer = trainer_for(model, anchors_per_sequence=8, learning_rate=3e-3, warmup_steps=5, autocast=autocast)
     for _ in range(steps):
         features, ids, mask, lengths = feature_coded_batch(vocab, gen)
         if blind:
@@ -202,10 +203,39 @@ def slot1_accuracy_after(steps: int, blind: bool) -> float:
     return correct / count
 
 
-def test_slot1_learns_a_token_coded_in_the_features():
-    assert slot1_accuracy_after(300, blind=False) > 0.5
+@pytest.mark.parametrize("autocast", ["", "bfloat16"], ids=["fp32", "bf16-autocast"])
+def test_slot1_learns_a_token_coded_in_the_features(autocast):
+    assert slot1_accuracy_after(300, blind=False, autocast=autocast) > 0.5
 
 
 def test_slot1_cannot_learn_it_without_the_features():
     # The control: the same task with the features zeroed stays near chance (1/8).
     assert slot1_accuracy_after(300, blind=True) < 0.3
+
+
+# ---------------------------------------------------------------------------
+# bf16 autocast (drafter.autocast)
+# ---------------------------------------------------------------------------
+
+
+def test_bf16_autocast_computes_in_bf16_and_keeps_float32_weights_and_optimizer_state():
+    vocab = 64
+    seen: list[torch.dtype] = []
+    losses = {}
+    for autocast in ("", "bfloat16"):
+        model = drafter(vocab)
+        trainer = trainer_for(model, autocast=autocast, distill_weight=1.0)
+        trainer.teacher_norm = (torch.ones(HIDDEN), 1e-6)
+        hook = model.fc.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+        for seed in range(3):
+            trainer.train_step(*batch(vocab, seed=seed))
+        hook.remove()
+        assert trainer.metrics.snapshot()
+        losses[autocast] = trainer.metrics.poll()["loss_sum"][0] / 3
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        for state in trainer.optimizer.state.values():
+            assert all(v.dtype == torch.float32 for v in state.values())
+    # The projection that reads the captured features ran in bf16 only under autocast ...
+    assert seen == [torch.float32] * 3 + [torch.bfloat16] * 3
+    # ... and the loss it trains on is the float32 one up to bf16 rounding.
+    assert losses["bfloat16"] == pytest.approx(losses[""], rel=0.02)

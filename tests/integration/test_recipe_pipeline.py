@@ -59,6 +59,23 @@ def test_epochs_from_the_feature_cache_with_several_steps_per_batch(tmp_path, ti
     assert state["step"] == report.final_step
 
 
+def test_a_bf16_target_feeds_its_features_and_its_cache_to_a_drafter_training_under_bf16_autocast(
+        tmp_path, tiny_llama_dir):
+    # What target.dtype = drafter.autocast = "auto" pick on a CPU with AVX512-BF16 or AMX, set explicitly so every
+    # host runs it: the wire dtype (WELCOME, every BATCH) is bfloat16, and the float32 drafter reads it.
+    config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {"autocast": "bfloat16"}},
+                          sections={"target": ['dtype = "bfloat16"', "feature_cache_gb = 1.0"], "data": ["num_epochs = 2"]})
+    run_dir, job = run_plan(tmp_path, config)
+    assert "(bfloat16): 6 layers" in (run_dir / "logs" / "target.log").read_text()
+    assert "training step computes in bfloat16" in (run_dir / "logs" / "drafter-d0.log").read_text()
+    target = [r["values"] for r in job.metrics() if r["source"] == "target"]
+    assert max(v["cache_hit_frac"] for v in target) > 0, "the second epoch was not served from the cache"
+    losses = [r["values"]["loss"] for r in job.metrics() if r["source"] == "drafter/d0" and "loss" in r["values"]]
+    assert losses and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    report = verify_lineage(run_dir, "d0")
+    assert report.ok and report.finished_epochs == [0, 1], report.problems
+
+
 def test_a_cache_the_memory_cannot_hold_stops_growing_and_the_target_computes_every_epoch(tmp_path, tiny_llama_dir):
     # Keep 1 PB free: no machine has it, so the cache takes nothing, says why, and both epochs run the forward pass.
     config = write_config(tmp_path, str(tiny_llama_dir), drafters={"d0": {}},
