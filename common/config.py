@@ -218,7 +218,7 @@ class DrafterConfig:
     devices: list[str] = _doc("device of each local rank under torchrun (LOCAL_RANK indexes it); empty = drafter.device, or cuda:LOCAL_RANK when that is 'cuda'", default_factory=list)
     threads: int = _doc("torch CPU threads; 0 keeps torch's default", 0)
     threads_while_capturing: int = _doc("torch CPU threads while the batches come from the target's forward pass, drafter.threads once they come from its feature cache: a target on the same CPU computes meanwhile, and more threads than cores slow both processes (make quality: 1 beside a 1-thread target on 2 cores); 0 = drafter.threads throughout", 0)
-    matmul_precision: str = _doc("torch.set_float32_matmul_precision for the drafter: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 passes)", "highest")
+    matmul_precision: str = _doc("torch.set_float32_matmul_precision for the drafter: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 passes on CUDA; a CPU's fp32 matmuls ignore it, drafter.autocast gives them bf16)", "highest")
     autocast: str = _doc("the training step's forward and backward under torch.autocast in this dtype, the weights, gradients and optimizer state staying float32: bfloat16, auto (bfloat16 where the device computes it fast: a GPU, a CPU with AVX512-BF16 or AMX) or '' (float32 throughout)", "")
     num_layers: int = _doc("decoder layers of the drafter", 1)
     block_size: int = _doc("tokens predicted per block (slot 0 is the anchor)", 16)
