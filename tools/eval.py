@@ -463,6 +463,7 @@ def _setup(args: argparse.Namespace):
     from common.config import ConfigError, load_config
     from common.devices import resolve_dtype
     from common.model_loader import ModelLoadError, load_target
+    from common.packing import dtype_from_name
 
     config_path = args.run_dir / "config.toml"
     if not config_path.is_file():
@@ -474,7 +475,7 @@ def _setup(args: argparse.Namespace):
     threads = args.threads if args.threads is not None else cfg.target.threads
     if threads:
         torch.set_num_threads(threads)
-    dtype = getattr(torch, resolve_dtype(cfg.target.dtype, cfg.target.device))
+    dtype = dtype_from_name(resolve_dtype(cfg.target.dtype, cfg.target.device))
     try:
         loaded = load_target(cfg.target.model, device=cfg.target.device, dtype=dtype,
                              tokenizer_source=cfg.target.tokenizer or None)
@@ -505,6 +506,8 @@ def _load_drafter(path: Path, target: Any) -> Any:
 
 def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path: Path, step: int | None,
                          baseline: bool) -> dict[str, Any]:
+    from common.packing import dtype_name
+
     drafter = _load_drafter(path, loaded.model)
     started = time.monotonic()
     deadline = None if args.time_limit_s is None else args.command_started + args.time_limit_s
@@ -515,7 +518,7 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),
-        "target": loaded.model_id, "target_dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "target": loaded.model_id, "target_dtype": dtype_name(loaded.model.dtype),
         "prompt_source": prompt_source, "training_eal": eal, "tau_predicted_by_eal": None if eal is None else 1 + eal,
         "eval_s": time.monotonic() - started, **report,
     }

@@ -237,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from common.devices import resolve_dtype
         from common.model_loader import ModelLoadError, load_target
+        from common.packing import dtype_from_name
 
         threads = args.threads if args.threads is not None else cfg.target.threads
         if threads:
             torch.set_num_threads(threads)
-        dtype = getattr(torch, resolve_dtype(cfg.target.dtype, cfg.target.device))
+        dtype = dtype_from_name(resolve_dtype(cfg.target.dtype, cfg.target.device))
         try:
             loaded = load_target(cfg.target.model, device=cfg.target.device, dtype=dtype,
                                  tokenizer_source=cfg.target.tokenizer or None)
