@@ -10,8 +10,8 @@ new context positions, the cached rest). The speculative step costs
 ``verify + draft``, so a drafter pays for itself from
 ``tau = (verify + draft) / plain`` on: printed as the break-even tau, with the
 speed-up the measured ``--tau`` would give. Each is timed twice in every round:
-with the models' own linear layers and with ``tools.small_linears`` (what
-evaluation decodes with). Weights do not change the timings: any drafter of the
+with the models' own linear layers and as evaluation decodes (``tools.small_linears``,
+and eager attention for a bf16 target: ``--dtype``). Weights do not change the timings: any drafter of the
 right shape will do.
 """
 
@@ -32,8 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_worker.model.dflash_model import load_drafter  # noqa: E402
 from common.model_loader import embedding_weights, load_target  # noqa: E402
+from common.devices import resolve_dtype  # noqa: E402
+from common.packing import dtype_from_name, dtype_name  # noqa: E402
 from tools.small_linears import small_row_linears  # noqa: E402
-from tools.speculative import DFlashProposer, _new_cache, _target_forward, crop_cache, target_features  # noqa: E402
+from tools.speculative import (DFlashProposer, _new_cache, _target_forward, crop_cache,  # noqa: E402
+                               row_exact_attention, target_features)
 
 
 def _timed(fn) -> float:
@@ -51,15 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--denoise-passes", type=int, default=0, help="drafting passes a block takes (0: the drafter's own)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32",
+                   help="the target's dtype, the drafter cast to it as dflash-eval does (float32, bfloat16, auto)")
     p.add_argument("--tau", type=float, default=0.0, help="also print the speed-up at this tau")
     p.add_argument("--verify-lengths", default="",
                    help="also time the target over this many tokens with small-row linears (e.g. 1,4,5,8,13): "
                         "what a longer block or a tree of drafts would cost to verify")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_target(args.model)
+    dtype = dtype_from_name(resolve_dtype(args.dtype, "cpu"))
+    loaded = load_target(args.model, dtype=dtype)
     target = loaded.model
-    drafter = load_drafter(args.drafter)
+    drafter = load_drafter(args.drafter).to(dtype=dtype)
     embed, head, _ = embedding_weights(target)
     proposer = DFlashProposer(drafter, embed, head, args.denoise_passes or None)
     drafts = args.draft_tokens or proposer.block_size - 1
@@ -94,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             return run
 
         lengths = [int(x) for x in args.verify_lengths.split(",") if x]
-        modes = {"own": contextlib.nullcontext, "small_rows": lambda: small_row_linears(target, drafter)}
+        @contextlib.contextmanager
+        def as_evaluated():  # what dflash-eval decodes with
+            with small_row_linears(target, drafter), row_exact_attention(target):
+                yield
+
+        modes = {"own": contextlib.nullcontext, "small_rows": as_evaluated}
         times: dict[str, dict[str, list[float]]] = {mode: {"plain": [], "verify": [], "draft": []} for mode in modes}
         by_length: dict[int, list[float]] = {tokens: [] for tokens in lengths}
         for _ in range(args.rounds + 1):  # the first round warms up
@@ -102,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                 with linears():
                     for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
                         times[mode][name].append(_timed(fn))
-            with small_row_linears(target, drafter):
+            with as_evaluated():
                 for tokens in lengths:
                     by_length[tokens].append(_timed(verify_length(tokens)))
-    print(f"context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified, "
+    print(f"{dtype_name(dtype)} target, context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified, "
           f"{proposer.denoise_passes} drafting passes), "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
-    result: dict = {"context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
+    result: dict = {"dtype": dtype_name(dtype), "context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
                     "denoise_passes": proposer.denoise_passes,
                     "threads": args.threads}
     for mode in modes:

@@ -28,9 +28,11 @@ the training hot path never does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 
 from drafter_worker.model.dflash_model import DFlashDrafter, DraftContextCache
 from drafter_worker.model.modeling_dflash import causal_block_mask
-from tools.small_linears import small_row_linear
+from tools.small_linears import prepack, small_row_linear
 
 __all__ = [
     "DFlashProposer",
@@ -48,6 +50,7 @@ __all__ = [
     "SpecStats",
     "crop_cache",
     "plain_generate",
+    "row_exact_attention",
     "speculative_generate",
     "target_features",
 ]
@@ -214,6 +217,29 @@ def _target_forward(target: Any, ids: list[int], start: int, cache: Any, *, hidd
         output_hidden_states=hidden,
         **kwargs,
     )
+
+
+@contextlib.contextmanager
+def row_exact_attention(target: Any) -> Iterator[None]:
+    """Inside the block a CPU target in bf16 or fp16 attends through plain matmuls ("eager" attention).
+
+    A verification's query rows must round as a plain step's single row does, or speculative output
+    drifts from greedy decoding. PyTorch's fused CPU attention does not promise that across query
+    lengths; in bf16 it flipped greedy tokens on 10 of 12 SmolLM2 prompts, eager attention on none
+    (session 35, with :mod:`tools.small_linears`). A float32 target keeps its fused attention: there
+    the difference stays near 1e-7, no evaluation has found a flipped token (each counts them), and
+    eager attention costs a plain step 13 % there.
+    """
+    weight = target.get_input_embeddings().weight
+    before = getattr(target.config, "_attn_implementation", None)
+    if weight.device.type != "cpu" or weight.dtype == torch.float32 or before in (None, "eager"):
+        yield
+        return
+    target.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(before)
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -427,6 +453,7 @@ class DFlashProposer:
         self.lm_head_weight = lm_head_weight
         # The rows the drafter scores (the target's, all of them unless it has a draft vocabulary, or its own), once.
         self._draft_head = drafter.head_and_labels(lm_head_weight)[0].detach()
+        self._draft_head_packed = prepack(self._draft_head)
         self._draft_vocab = drafter.draft_vocab.to(lm_head_weight.device) if drafter.draft_vocab_size else None
         self.block_size = drafter.block_size
         passes = int(getattr(drafter, "denoise_passes", 1) if denoise_passes is None else denoise_passes)
@@ -518,7 +545,7 @@ class DFlashProposer:
         head = self._draft_head
         drafts = hidden[0, 1 + first : 1 + num_draft].to(device=head.device, dtype=head.dtype)
         # The few rows of a block: the faster of F.linear and W @ x^T on this machine (tools/small_linears.py).
-        return small_row_linear(drafts, head, None)
+        return small_row_linear(drafts, head, None, self._draft_head_packed)
 
     def _token(self, row: torch.Tensor) -> int:
         """The target token id of a draft row's argmax."""

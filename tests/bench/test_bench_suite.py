@@ -100,7 +100,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert overlap["ok"] and overlap["drafter"]["host_reads"] == 0, overlap
 
 
-def test_spec_cost_bench_times_the_three_parts_of_a_step(tmp_path, tiny_llama_dir, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_spec_cost_bench_times_the_three_parts_of_a_step(dtype, tmp_path, tiny_llama_dir, capsys):
     # Runs the bench end to end on the tiny target: the drafter's cache is rolled back
     # between rounds (a length mismatch would raise), and the break-even tau is the
     # ratio of the printed timings.
@@ -115,8 +116,9 @@ def test_spec_cost_bench_times_the_three_parts_of_a_step(tmp_path, tiny_llama_di
                                                     max_position_embeddings=1024, draft_vocab_size=512))
     assert spec_cost_bench.main(["--drafter", str(tmp_path / "drafter"), "--model", str(tiny_llama_dir),
                                  "--context", "40", "--rounds", "3", "--threads", "1", "--tau", "2",
-                                 "--verify-lengths", "1,9"]) == 0
+                                 "--verify-lengths", "1,9", "--dtype", dtype]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dtype"] == dtype  # the drafter cast to it too, as dflash-eval does
     assert result["draft_tokens"] == result["block_size"] - 1
     assert sorted(result["verify_ms_by_tokens"]) == ["1", "9"]  # a tree's or a longer block's verification
     for mode in ("own", "small_rows"):  # the models' own linear layers, then tools.small_linears

@@ -1,4 +1,5 @@
-"""tools.small_linears: the few-row linear path equals F.linear, and the patch comes off cleanly."""
+"""tools.small_linears: the few-row linear path equals F.linear, rounds a row alike at every row count,
+and the patch comes off cleanly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tools import small_linears
-from tools.small_linears import MAX_ROWS, small_row_linear, small_row_linears
+from tools.small_linears import MAX_ROWS, prepack, small_row_linear, small_row_linears
 
 WIDE = 8192  # an LM head's width
 
@@ -46,9 +47,9 @@ def test_patch_routes_every_linear_and_restores_it(monkeypatch):
         before = model(x)
     calls = []
 
-    def counting(x, weight, bias):
+    def counting(x, weight, bias, packed=None):
         calls.append(tuple(weight.shape))
-        return small_row_linear(x, weight, bias)
+        return small_row_linear(x, weight, bias, packed)
 
     monkeypatch.setattr(small_linears, "small_row_linear", counting)
     with small_row_linears(model) as patched, torch.inference_mode():
@@ -69,6 +70,42 @@ def test_each_shape_is_timed_once_and_its_choice_kept(monkeypatch):
         small_row_linear(torch.randn(rows, 16), weight, None)
     assert sorted(small_linears._prefer_mm) == [(1, WIDE, 16, torch.float32), (3, WIDE, 16, torch.float32)]
     assert all(isinstance(v, bool) for v in small_linears._prefer_mm.values())
+
+
+def test_a_prepacked_row_rounds_alike_at_every_row_count():
+    # What keeps a bf16 target's speculative output equal to its greedy decoding: a plain step multiplies one
+    # row, a verification several. SmolLM2's down projection's shape, where F.linear's single row took another
+    # kernel on session 35's machine (5 of these 50 weights differed in the last bf16 bit).
+    if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("no oneDNN in this build of torch")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        weight = torch.randn(576, 1536, generator=gen).to(torch.bfloat16)
+        packed = prepack(weight)
+        x = torch.randn(MAX_ROWS, 1536, generator=gen).to(torch.bfloat16)
+        one = small_row_linear(x[:1], weight, None, packed)
+        for rows in (2, 5, MAX_ROWS):
+            assert torch.equal(small_row_linear(x[:rows], weight, None, packed)[:1], one), (trial, rows)
+
+
+def test_bf16_weights_are_prepacked_once_and_give_f_linear(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, WIDE, bias=False)).to(torch.bfloat16)
+    if prepack(model[0].weight) is None:
+        pytest.skip("no oneDNN in this build of torch")
+    packs = []
+    real = small_linears.prepack
+    monkeypatch.setattr(small_linears, "prepack", lambda weight: packs.append(weight.shape) or real(weight))
+    monkeypatch.setattr(small_linears, "_faster_is_mm", lambda flat, weight: pytest.fail("a packed weight is timed"))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+        with small_row_linears(model):
+            for _ in range(3):
+                got = model(x)
+    assert packs == [(64, 32), (WIDE, 64)]  # at the patch, not per call
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)  # bf16: summation order moves the last bit
+    assert prepack(model[0].weight.float()) is None  # float32 keeps the calibrated paths
 
 
 def _calibrated_weights(model: nn.Module, monkeypatch) -> tuple[set[int], torch.Tensor]:

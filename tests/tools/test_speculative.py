@@ -7,11 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
+from tools.small_linears import small_row_linears
 from tools.speculative import (
     DFlashProposer,
     SpecStats,
+    _new_cache,
+    _target_forward,
     _verify_sampled,
+    crop_cache,
     plain_generate,
+    row_exact_attention,
     speculative_generate,
     target_features,
 )
@@ -348,3 +353,26 @@ def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(
     assert max(spec.step_drafts) < BLOCK - 1
     with pytest.raises(ValueError, match="draft_confidence"):
         DFlashProposer(drafter, embed, head, draft_confidence=1.0)
+
+
+
+def test_a_bf16_verification_rounds_each_row_as_a_plain_step_does():
+    # Greedy equality rests on this: the target's logits for a position are bit for bit the same whether a
+    # five-token verification or a one-token step computes them. The real SmolLM2, whose activations showed
+    # both causes: a single row's GEMV at the 1536-wide down projection, and the fused attention.
+    from common.model_loader import load_target
+
+    loaded = load_target("smollm2", dtype=torch.bfloat16)
+    model = loaded.model
+    prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog and then some more words follow.")["input_ids"]
+    block = [1234, 55, 66, 77, 88]
+    with torch.inference_mode(), small_row_linears(model), row_exact_attention(model):
+        assert model.config._attn_implementation == "eager"
+        cache = _new_cache(model)
+        _target_forward(model, prompt, 0, cache, hidden=False, last_only=True)
+        verified = _target_forward(model, block, len(prompt), cache, hidden=False, last_only=False).logits[0]
+        crop_cache(cache, len(prompt))
+        for i, token in enumerate(block):
+            step = _target_forward(model, [token], len(prompt) + i, cache, hidden=False, last_only=True).logits[0, -1]
+            assert torch.equal(step, verified[i]), f"row {i}: {(step - verified[i]).abs().max()}"
+    assert model.config._attn_implementation == "sdpa"  # the model's own again
