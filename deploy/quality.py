@@ -87,7 +87,7 @@ def _eval_final(tools: Job, drafter_id: str, args: argparse.Namespace, time_limi
 
 
 def _eval_dtype(args: argparse.Namespace) -> list[str]:
-    """The evaluations' target dtype: the same reference whatever dtype the training forward ran in."""
+    """The evaluations' target dtype, where --eval-dtype names another than the config's."""
     return ["--set", f"target.dtype={args.eval_dtype}"] if args.eval_dtype else []
 
 
@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fewer-eval-prompts", type=int, default=FEWER_EVAL_PROMPTS,
                         help="held-out prompts of the evaluation with fewer drafts a step (--draft-tokens)")
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the final evaluation")
-    parser.add_argument("--eval-dtype", default="float32",
-                        help="target.dtype of the evaluations (watcher and final): float32 measures tau and speed "
-                             "against the reference target whatever target.dtype trained on ('' = the config's)")
+    parser.add_argument("--eval-dtype", default="",
+                        help="target.dtype of the evaluations (watcher and final); '' (default) = the config's, "
+                             "which decodes exactly as greedy in bf16 too (tools/small_linears.py)")
     parser.add_argument("--eval-threads", type=int, default=2, help="torch threads of the final evaluation")
     parser.add_argument("--no-watch", action="store_true", help="no evaluation during training (final one only)")
     parser.add_argument("--progress-every-s", type=float, default=30.0,
