@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             with as_evaluated():
                 for tokens in lengths:
                     by_length[tokens].append(_timed(verify_length(tokens)))
-    print(f"{dtype_name(dtype)} target, context {args.context} tokens, block {proposer.block_size} ({drafts} drafts verified, "
-          f"{proposer.denoise_passes} drafting passes), "
+    print(f"{dtype_name(dtype)} target, context {args.context} tokens, block {proposer.block_size} "
+          f"({drafts} drafts verified, {proposer.denoise_passes} drafting passes), "
           f"{args.threads} threads, median of {args.rounds} interleaved rounds:")
-    result: dict = {"dtype": dtype_name(dtype), "context": args.context, "block_size": proposer.block_size, "draft_tokens": drafts,
-                    "denoise_passes": proposer.denoise_passes,
+    result: dict = {"dtype": dtype_name(dtype), "context": args.context, "block_size": proposer.block_size,
+                    "draft_tokens": drafts, "denoise_passes": proposer.denoise_passes,
                     "threads": args.threads}
     for mode in modes:
         ms = {name: statistics.median(values[1:]) for name, values in times[mode].items()}

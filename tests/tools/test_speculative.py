@@ -355,7 +355,6 @@ def test_draft_confidence_ends_the_drafts_where_the_drafter_expects_a_rejection(
         DFlashProposer(drafter, embed, head, draft_confidence=1.0)
 
 
-
 def test_a_bf16_verification_rounds_each_row_as_a_plain_step_does():
     # Greedy equality rests on this: the target's logits for a position are bit for bit the same whether a
     # five-token verification or a one-token step computes them. The real SmolLM2, whose activations showed
@@ -364,7 +363,8 @@ def test_a_bf16_verification_rounds_each_row_as_a_plain_step_does():
 
     loaded = load_target("smollm2", dtype=torch.bfloat16)
     model = loaded.model
-    prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog and then some more words follow.")["input_ids"]
+    text = "The quick brown fox jumps over the lazy dog and then some more words follow."
+    prompt = loaded.tokenizer(text)["input_ids"]
     block = [1234, 55, 66, 77, 88]
     with torch.inference_mode(), small_row_linears(model), row_exact_attention(model):
         assert model.config._attn_implementation == "eager"
