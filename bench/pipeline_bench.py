@@ -6,7 +6,9 @@ A random Llama target (``tests/fixtures.py``: 16 layers x 256 hidden by
 default, SmolLM2's 49152-token vocabulary) is written to a temporary
 directory. Every process runs one torch thread (``target.threads = 1``,
 ``drafter.threads = 1``); data plane gloo; buckets [192, 256] at 768 tokens
-per batch (B*T = 768 in both); drafter block 16, 4 anchors per sequence. These
+per batch (B*T = 768 in both); drafter block 16, 4 anchors per sequence;
+float32, or with ``--dtype bfloat16`` a bf16 target and the drafter's step
+under bf16 autocast, as the quality recipe runs where the CPU has bf16. These
 sizes put target and drafter within 2x of each other, where a pipeline that
 serialized them instead of overlapping them would show (about 0.5-0.6).
 
@@ -70,12 +72,15 @@ def write_config(tmp: Path, model_dir: Path, drafter_ids: list[str], args: argpa
         "[metrics]", f'address = "tcp://127.0.0.1:{metrics}"', "log_every_steps = 1", "window_s = 1.0",
         'wandb_mode = "disabled"',
         "[target]", f'model = "{model_dir}"', "num_captured_layers = 5", "threads = 1", "ready_batches = 3",
+        f'dtype = "{args.dtype}"',
         "stop_timeout_s = 130.0",  # a stop outlasts transport.timeout_s (common/config.py requires it)
         "[data]", 'source = "pydoc"', "max_seq_len = 256", "bucket_lengths = [192, 256]",
         f"tokens_per_batch = {args.tokens_per_batch}", f"max_samples = {args.max_samples}", "heldout_fraction = 0.0",
         "[transport]", 'kind = "gloo"', "timeout_s = 120.0",
         "[drafter]", "block_size = 16", f"anchors_per_sequence = {args.anchors}", "threads = 1",
         "checkpoint_every_steps = 1000000", "warmup_steps = 5", "max_steps = 0", "credits = 2",
+        # The quality recipe pairs a bf16 target with bf16 matmuls in the drafter's step.
+        f'autocast = "{"bfloat16" if args.dtype == "bfloat16" else ""}"',
         "stop_timeout_s = 130.0",
     ]
     for k, drafter_id in enumerate(drafter_ids):
@@ -97,8 +102,9 @@ class Alone:
         from target_server.capture import LayerCapture
         from target_server.data import build_dataset
         from common.model_loader import embedding_weights, load_target
+        from common.packing import dtype_from_name
 
-        loaded = load_target(cfg.target.model)
+        loaded = load_target(cfg.target.model, dtype=dtype_from_name(cfg.target.dtype))
         layer_ids = build_target_layer_ids(loaded.num_layers, cfg.target.num_captured_layers)
         self.capture = LayerCapture(loaded.model, layer_ids)
         feature_dim = len(layer_ids) * loaded.hidden_size
@@ -119,7 +125,7 @@ class Alone:
             planned = plan.batch(index)
             b, t = spec.shape(planned.bucket)
             ids, mask, lengths = pack_batch([dataset.train[i] for i in planned.sample_ids], b, t, loaded.pad_token_id)
-            features = torch.empty(b, t, feature_dim)
+            features = torch.empty(b, t, feature_dim, dtype=loaded.model.dtype)
             self.capture.run(ids, features)  # real features for the drafter; also warms every shape up
             self.batches.append((ids, features, ids.to(torch.int32), mask, lengths))
         self.features_out = [torch.empty_like(batch[1]) for batch in self.batches]
@@ -329,6 +335,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--anchors", type=int, default=4, help="drafter.anchors_per_sequence")
     parser.add_argument("--tokens-per-batch", type=int, default=768, help="B*T of both buckets (192 and 256)")
     parser.add_argument("--max-samples", type=int, default=200)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="target.dtype; bfloat16 also runs the drafter's step under bf16 autocast, as the recipe "
+                             "does on a CPU with AVX512-BF16 or AMX")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     counts = sorted({int(n) for n in args.drafters.split(",") if n.strip() and int(n) > 0})
@@ -388,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     target_alone, drafter_alone = median(target_tps), median(drafter_tps)
     result: dict[str, Any] = {
         "setup": {**alone.info, "tokens_per_batch": tokens_per_batch, "anchors_per_sequence": args.anchors,
-                  "block_size": cfg.drafter.block_size, "threads_per_process": 1, "windows": args.windows,
+                  "block_size": cfg.drafter.block_size, "dtype": args.dtype, "threads_per_process": 1,
+                  "windows": args.windows,
                   "window_s": args.window_s, "scaling_window_s": args.scaling_window_s},
         "target_alone_tokens_per_s": target_alone,
         "drafter_alone_tokens_per_s": drafter_alone,
