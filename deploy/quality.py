@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.config import ConfigError, drafter_ids_in, load_config  # noqa: E402
+from common.devices import resolve_dtype  # noqa: E402
 from deploy.demo import STOP_TIMEOUT_S, _plots, summarize  # noqa: E402
 from deploy.launcher import Job  # noqa: E402
 from metrics_sidecar.wandb_reader import offline_upload_lines  # noqa: E402
@@ -50,9 +51,10 @@ TRAIN_MINUTES = 47.0  # training stops this long after the start; the hour holds
 # the headline evaluation takes 64, the one with fewer drafts (its speed ratio; tau 1.5 +- 0.035 on 16) 16.
 EVAL_PROMPTS = 64
 FEWER_EVAL_PROMPTS = 16
-# On a CPU every verified token costs: the target over 2 tokens takes about one plain step, over 3-4
-# 1.25 and over 5 1.5, so one draft a step is the fastest decoding there (docs/recipe.md, session 22).
-# A GPU verifies a block for the price of a token.
+# On a CPU in float32 every verified token costs: the target over 2 tokens takes about one plain step,
+# over 3-4 1.25 and over 5 1.5, so one draft a step is the fastest decoding there (docs/recipe.md,
+# session 22). A bf16 CPU target (prepacked weights) and a GPU verify a block for the price of a token
+# (session 35: every draft 1.62x plain greedy, one draft a step 1.35x).
 CPU_DRAFT_TOKENS = 1
 TOTAL_MINUTES = 60.0  # the whole run, .venv included where make passes --started-at
 # The headline evaluation's tau needs about 16 prompts for a standard error near 0.1 at tau 2.
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how often a progress line (steps, target tokens/s, the watcher's newest tau) is printed")
     parser.add_argument("--draft-tokens", type=int,
                         help="also evaluate verifying only the first N drafts of each block (default "
-                             f"{CPU_DRAFT_TOKENS} for a CPU target, else 0 = the whole block)")
+                             f"{CPU_DRAFT_TOKENS} for a float32 CPU target, else 0 = the whole block)")
     parser.add_argument("--draft-confidence", type=float, default=0.0,
                         help="in that evaluation also end each step's drafts where the drafter's own chance that "
                              "all of them are right falls below this (default 0 = never)")
@@ -255,11 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         drafter_ids = drafter_ids_in(args.config) or [cfg.drafter.id]
+        if args.eval_dtype:  # refused now, not after the hour's training
+            load_config(args.config, [*args.overrides, f"target.dtype={args.eval_dtype}"])
     except ConfigError as exc:
         print(f"quality: config error: {exc}", file=sys.stderr)
         return 2
     if args.draft_tokens is None:
-        args.draft_tokens = CPU_DRAFT_TOKENS if cfg.target.device == "cpu" else 0
+        eval_dtype = resolve_dtype(args.eval_dtype or cfg.target.dtype, cfg.target.device)
+        args.draft_tokens = CPU_DRAFT_TOKENS if cfg.target.device == "cpu" and eval_dtype == "float32" else 0
     if not 0 <= args.draft_tokens < cfg.drafter.block_size:
         print(f"quality: --draft-tokens must be in 0..{cfg.drafter.block_size - 1} for the recipe's block of "
               f"{cfg.drafter.block_size}, got {args.draft_tokens}", file=sys.stderr)

@@ -65,6 +65,7 @@ def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     (["--started-at", "99999999999"], "--started-at must be a Unix time within the last day"),
     (["--total-minutes", "0"], "--total-minutes must be > 0"),
     (["--progress-every-s", "0"], "--progress-every-s must be > 0"),
+    (["--eval-dtype", "bf16"], "target.dtype"),
 ])
 def test_quality_rejects_decoding_settings_the_recipe_cannot_run_before_touching_the_run(argv, message, tmp_path,
                                                                                        capsys):
