@@ -34,9 +34,8 @@ from drafter_worker.model.dflash_model import load_drafter  # noqa: E402
 from common.model_loader import embedding_weights, load_target  # noqa: E402
 from common.devices import resolve_dtype  # noqa: E402
 from common.packing import dtype_from_name, dtype_name  # noqa: E402
-from tools.small_linears import small_row_linears  # noqa: E402
 from tools.speculative import (DFlashProposer, _new_cache, _target_forward, crop_cache,  # noqa: E402
-                               row_exact_attention, target_features)
+                               evaluation_decoding, target_features)
 
 
 def _timed(fn) -> float:
@@ -100,12 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             return run
 
         lengths = [int(x) for x in args.verify_lengths.split(",") if x]
-        @contextlib.contextmanager
-        def as_evaluated():  # what dflash-eval decodes with
-            with small_row_linears(target, drafter), row_exact_attention(target):
-                yield
-
-        modes = {"own": contextlib.nullcontext, "small_rows": as_evaluated}
+        modes = {"own": contextlib.nullcontext, "small_rows": lambda: evaluation_decoding(target, drafter)}
         times: dict[str, dict[str, list[float]]] = {mode: {"plain": [], "verify": [], "draft": []} for mode in modes}
         by_length: dict[int, list[float]] = {tokens: [] for tokens in lengths}
         for _ in range(args.rounds + 1):  # the first round warms up
@@ -113,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 with linears():
                     for name, fn in (("plain", plain), ("verify", verify), ("draft", draft)):
                         times[mode][name].append(_timed(fn))
-            with as_evaluated():
+            with evaluation_decoding(target, drafter):
                 for tokens in lengths:
                     by_length[tokens].append(_timed(verify_length(tokens)))
     print(f"{dtype_name(dtype)} target, context {args.context} tokens, block {proposer.block_size} "

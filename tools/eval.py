@@ -217,8 +217,7 @@ def evaluate(
     that would end after it at the pace so far, once ``min_prompts`` are decoded: the prompts keep
     their order, so a shorter evaluation is a prefix of the full one."""
     from common.model_loader import embedding_weights
-    from tools.small_linears import small_row_linears
-    from tools.speculative import DFlashProposer, row_exact_attention
+    from tools.speculative import DFlashProposer, evaluation_decoding
 
     embed, head, _ = embedding_weights(target)
     num_layers = int(target.config.get_text_config().num_hidden_layers)
@@ -234,9 +233,7 @@ def evaluate(
         draft_tokens = proposer.block_size - 1
     if not 1 <= draft_tokens <= proposer.block_size - 1:
         raise EvalError(f"--draft-tokens must be in 1..{proposer.block_size - 1} for a block of {proposer.block_size}")
-    # Both decoders run with the faster few-row linear layers on CPU (tools/small_linears.py), which
-    # round a row alike at every row count, as the attention does: speculative output stays greedy's.
-    with small_row_linears(target, drafter), row_exact_attention(target):
+    with evaluation_decoding(target, drafter):
         return _decode_all(target, proposer, prompts, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                            temperature=temperature, seed=seed, baseline=baseline, draft_tokens=draft_tokens,
                            device=embed.device, deadline=deadline, min_prompts=min_prompts)

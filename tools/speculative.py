@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from drafter_worker.model.dflash_model import DFlashDrafter, DraftContextCache
 from drafter_worker.model.modeling_dflash import causal_block_mask
-from tools.small_linears import prepack, small_row_linear
+from tools.small_linears import prepack, small_row_linear, small_row_linears
 
 __all__ = [
     "DFlashProposer",
@@ -49,6 +49,7 @@ __all__ = [
     "Proposer",
     "SpecStats",
     "crop_cache",
+    "evaluation_decoding",
     "plain_generate",
     "row_exact_attention",
     "speculative_generate",
@@ -240,6 +241,15 @@ def row_exact_attention(target: Any) -> Iterator[None]:
         yield
     finally:
         target.set_attn_implementation(before)
+
+
+@contextlib.contextmanager
+def evaluation_decoding(target: Any, *drafters: Any) -> Iterator[None]:
+    """How evaluation decodes, plain and speculative runs alike: the few-row linear layers of
+    :mod:`tools.small_linears` and :func:`row_exact_attention`, so a row rounds the same in a
+    verification as in a plain step and speculative output stays the target's greedy output."""
+    with small_row_linears(target, *drafters), row_exact_attention(target):
+        yield
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from drafter_worker.model.dflash_model import DFlashDrafter, build_target_layer_ids, make_drafter_config
-from tools.small_linears import small_row_linears
 from tools.speculative import (
     DFlashProposer,
     SpecStats,
@@ -15,8 +14,8 @@ from tools.speculative import (
     _target_forward,
     _verify_sampled,
     crop_cache,
+    evaluation_decoding,
     plain_generate,
-    row_exact_attention,
     speculative_generate,
     target_features,
 )
@@ -366,7 +365,7 @@ def test_a_bf16_verification_rounds_each_row_as_a_plain_step_does():
     text = "The quick brown fox jumps over the lazy dog and then some more words follow."
     prompt = loaded.tokenizer(text)["input_ids"]
     block = [1234, 55, 66, 77, 88]
-    with torch.inference_mode(), small_row_linears(model), row_exact_attention(model):
+    with torch.inference_mode(), evaluation_decoding(model):
         assert model.config._attn_implementation == "eager"
         cache = _new_cache(model)
         _target_forward(model, prompt, 0, cache, hidden=False, last_only=True)
