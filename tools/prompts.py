@@ -9,24 +9,18 @@ and needs no download: the topics of Python's reference (``pydoc_data``), the
 standard-library module names, the built-in functions and the keywords, each
 asked about in a few ways, plus short passages of the reference to explain or
 summarise. The order is shuffled with a fixed seed, so any prefix of the file
-is a spread of kinds and subjects. A second set follows it in the file (since
-session 36): one question about each documented public function, class and
-method of the standard library's Python sources, read with ``ast`` (nothing is
-imported), also shuffled; the first set's lines, and so the answers made for
-them, keep their places. Output is deterministic for a given Python version
-(its module list, sources and reference text).
+is a spread of kinds and subjects. Output is deterministic for a given Python
+version (its module list and reference text).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import builtins
 import json
 import keyword
 import random
 import sys
-import sysconfig
 from pathlib import Path
 
 _MODULE_QUESTIONS = (
@@ -50,14 +44,6 @@ _PASSAGE_QUESTIONS = (
     "Explain this passage from the Python reference in simple words:\n\n{}",
     "Summarize this passage from the Python reference:\n\n{}",
 )
-_API_QUESTIONS = {
-    "function": ("What does `{}` do in Python?", "Show a short example of calling `{}` in Python."),
-    "class": ("What is the Python class `{}` used for?", "Show how to use the Python class `{}`."),
-    "method": ("What does the method `{}` do in Python?", "Give an example of calling the method `{}` in Python."),
-}
-# Not the reference of a library a user calls: tests, the IDE, 2to3, the installer of pip, GUI toolkits.
-_API_SKIPPED = frozenset({"antigravity", "ensurepip", "idlelib", "lib2to3", "pydoc_data", "test", "this", "tkinter",
-                          "turtle", "turtledemo"})
 
 
 def build_prompts(seed: int = 0, max_passage_chars: int = 400) -> list[str]:
@@ -81,54 +67,6 @@ def build_prompts(seed: int = 0, max_passage_chars: int = 400) -> list[str]:
     return prompts
 
 
-def _stdlib_sources() -> list[tuple[str, Path]]:
-    """(dotted module name, source file) of every public pure-Python standard-library module, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    sources: list[tuple[str, Path]] = []
-    for top in sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in _API_SKIPPED):
-        if (root / f"{top}.py").is_file():
-            sources.append((top, root / f"{top}.py"))
-            continue
-        package = root / top
-        if not (package / "__init__.py").is_file():
-            continue  # a C extension: no source to read
-        for path in sorted(package.rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            if any(part.startswith(("_", "test")) for part in parts):
-                continue
-            sources.append((".".join(parts), path))
-    return sources
-
-
-def _documented_names(source: str, module: str) -> list[tuple[str, str]]:
-    """(kind, qualified name) of the module's documented public functions, classes and their methods."""
-    names: list[tuple[str, str]] = []
-    for node in ast.parse(source).body:
-        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
-            continue
-        if not ast.get_docstring(node):
-            continue
-        if isinstance(node, ast.FunctionDef):
-            names.append(("function", f"{module}.{node.name}"))
-            continue
-        names.append(("class", f"{module}.{node.name}"))
-        names += [("method", f"{module}.{node.name}.{item.name}") for item in node.body
-                  if isinstance(item, ast.FunctionDef) and not item.name.startswith("_") and ast.get_docstring(item)]
-    return names
-
-
-def build_api_prompts(seed: int = 0) -> list[str]:
-    """One question about each documented public name of the standard library's sources, seeded shuffled order."""
-    names = [name for module, path in _stdlib_sources()
-             for name in _documented_names(path.read_text(encoding="utf-8"), module)]
-    prompts = [_API_QUESTIONS[kind][i % 2].format(qualified) for i, (kind, qualified) in enumerate(names)]
-    prompts = list(dict.fromkeys(prompts))
-    random.Random(seed).shuffle(prompts)
-    return prompts
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.prompts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     p.add_argument("--limit", type=int, default=0, help="keep the first N prompts (default all)")
     args = p.parse_args(argv)
-    prompts = build_prompts(args.seed) + build_api_prompts(args.seed)
+    prompts = build_prompts(args.seed)
     if args.limit > 0:
         prompts = prompts[: args.limit]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from tools.prompts import build_api_prompts, build_prompts
+from tools.prompts import build_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,7 @@ def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     prompts = (REPO / "data" / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
     # Every answer belongs to the prompt on its line of the shipped prompt set.
-    for record in records[:50] + records[-50:]:
+    for record in records[:50]:
         assert record["messages"][0]["content"] == json.loads(prompts[record["prompt_line"] - 1])["prompt"]
     dataset = build_dataset(smollm2_tokenizer(), str(path), max_seq_len=cfg.data.max_seq_len, seed=cfg.data.seed,
                             heldout_fraction=cfg.data.heldout_fraction, max_samples=20)
@@ -54,12 +54,8 @@ def test_shipped_regen_data_loads_as_training_data_with_held_out_prompts():
 def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     prompts = build_prompts(seed=0)
     assert len(prompts) == len(set(prompts)) > 2000
-    api = build_api_prompts(seed=0)
-    assert len(api) == len(set(api)) > 3000 and not set(api) & set(prompts)
-    assert "What does `json.dumps` do in Python?" in api or "Show a short example of calling `json.dumps` in Python." in api
     shipped = [json.loads(line)["prompt"] for line in (REPO / "data" / "prompts.jsonl").read_text().splitlines()]
-    # The first set keeps its lines (and the answers made for them) when the second is appended.
-    assert shipped == prompts + api
+    assert shipped == prompts
 
 
 @pytest.mark.parametrize("argv, message", [
