@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from tools.prompts import build_prompts, build_rephrased_prompts, held_out_prompts
+from tools.prompts import build_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,28 +55,7 @@ def test_prompt_set_is_deterministic_and_matches_the_shipped_file():
     prompts = build_prompts(seed=0)
     assert len(prompts) == len(set(prompts)) > 2000
     shipped = [json.loads(line)["prompt"] for line in (REPO / "data" / "prompts.jsonl").read_text().splitlines()]
-    # The first set keeps its lines; the rephrased set follows, made from the shipped answers' held-out split.
-    cfg = load_config(REPO / "configs" / "quality.toml")
-    held = held_out_prompts(REPO / cfg.data.source, heldout_fraction=cfg.data.heldout_fraction,
-                            split_seed=cfg.data.seed)
-    assert shipped == prompts + build_rephrased_prompts(held & set(prompts), seed=0)
-
-
-@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the prompt set is derived from Python 3.11's module list and reference text")
-def test_rephrased_prompts_leave_out_every_subject_of_a_held_out_prompt():
-    first = build_prompts(seed=0)
-    held = {"What is the Python `json` module used for?", "Give an example of using `zip` in Python."}
-    passage = next(p for p in first if p.startswith("Summarize this passage"))
-    held.add(passage)
-    rephrased = build_rephrased_prompts(held, seed=0)
-    assert len(rephrased) == len(set(rephrased)) > 1000 and not set(rephrased) & set(first)
-    kept = build_rephrased_prompts(set(), seed=0)
-    left_out = set(kept) - set(rephrased)
-    assert any("`json`" in p for p in kept) and not any("`json`" in p for p in rephrased)
-    assert any("`zip`" in p for p in kept) and not any("`zip`" in p for p in rephrased)
-    text = passage.split("\n\n", 1)[1]
-    assert [p for p in left_out if text in p] and not [p for p in rephrased if text in p]
-    assert len(left_out) == 2 + 2 + 1  # two wordings for a module and a built-in, one for a passage
+    assert shipped == prompts
 
 
 @pytest.mark.parametrize("argv, message", [
