@@ -205,6 +205,7 @@ def evaluate(
     draft_tokens: int | None = None,
     denoise_passes: int | None = None,
     draft_confidence: float = 0.0,
+    prompt_lookup: bool = False,
     deadline: float | None = None,
     min_prompts: int = 1,
 ) -> dict[str, Any]:
@@ -213,7 +214,8 @@ def evaluate(
     ``draft_tokens`` caps the drafts each step verifies (default: the whole block); ``denoise_passes``
     sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``);
     ``draft_confidence`` ends each step's drafts where the drafter's own chance that all of them are
-    right falls below it (0: never). With a ``deadline`` (``time.monotonic()``), no prompt starts
+    right falls below it (0: never). ``prompt_lookup`` drafts by prompt lookup wherever the sequence's
+    last tokens occurred before, by the drafter elsewhere (:mod:`tools.prompt_lookup`). With a ``deadline`` (``time.monotonic()``), no prompt starts
     that would end after it at the pace so far, once ``min_prompts`` are decoded: the prompts keep
     their order, so a shorter evaluation is a prefix of the full one."""
     from common.model_loader import embedding_weights
@@ -229,6 +231,10 @@ def evaluate(
         proposer = DFlashProposer(drafter, embed, head, denoise_passes, draft_confidence)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
+    if prompt_lookup:
+        from tools.prompt_lookup import PromptLookupProposer
+
+        proposer = PromptLookupProposer(proposer, head.shape[0], head.device)
     if draft_tokens is None:
         draft_tokens = proposer.block_size - 1
     if not 1 <= draft_tokens <= proposer.block_size - 1:
@@ -258,6 +264,7 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
 
     stats = SpecStats(proposer.block_size)
     passes_before = proposer.passes_taken
+    lookups_before = getattr(proposer, "lookup_steps", 0)
     per_prompt = []
     spec_tokens = spec_s = plain_tokens = plain_s = 0.0
     mismatches = 0
@@ -303,6 +310,8 @@ def _decode_all(target: Any, proposer: Any, prompts: Sequence[Sequence[int]], *,
         "draft_confidence": proposer.draft_confidence,
         "drafts_per_step": stats.drafted_total / max(1, stats.steps),
         "drafting_passes_per_step": (proposer.passes_taken - passes_before) / max(1, stats.steps),
+        "prompt_lookup": hasattr(proposer, "lookup_steps"),
+        "lookup_steps_frac": (getattr(proposer, "lookup_steps", 0) - lookups_before) / max(1, stats.steps),
         "tau": stats.tau,
         "tau_stderr": tau_stderr([row["tau"] * row["steps"] for row in per_prompt],
                                  [row["steps"] for row in per_prompt]),
@@ -381,6 +390,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}"
         + (f", drafts cut below confidence {report['draft_confidence']:g}: {report['drafts_per_step']:.2f} "
            f"drafts and {report['drafting_passes_per_step']:.2f} passes a step" if report.get("draft_confidence") else "")
+        + (f", prompt lookup drafting {report['lookup_steps_frac']:.0%} of the steps" if report.get("prompt_lookup") else "")
         + "; "
         f"per prompt min {min(report['tau_per_prompt']):.2f} max {max(report['tau_per_prompt']):.2f})",
         "  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
@@ -419,6 +429,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "slot where the drafter's own probability that it and every draft before it are right falls "
                    "below this: those slots are neither refined nor verified (0 = never, the default). On a CPU, "
                    "where each verified token costs, 0.2-0.5 ran fastest (docs/recipe.md)")
+    p.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup wherever the sequence's "
+                   "last 2-4 tokens occurred before (what followed them), by the drafter elsewhere: what a serving "
+                   "engine that puts a lookup in front of the drafter would get (docs/recipe.md)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip plain target decoding (no speed-up)")
@@ -512,7 +525,7 @@ def _evaluate_checkpoint(args, cfg, loaded, prompts, prompt_source, stops, path:
     report = evaluate(loaded.model, drafter, prompts, max_new_tokens=args.max_new_tokens, stop_tokens=stops,
                       temperature=args.temperature, seed=args.seed, baseline=baseline, draft_tokens=args.draft_tokens,
                       denoise_passes=args.denoise_passes, draft_confidence=args.draft_confidence,
-                      deadline=deadline, min_prompts=args.min_prompts)
+                      prompt_lookup=args.prompt_lookup, deadline=deadline, min_prompts=args.min_prompts)
     eal = training_eal(args.run_dir, args.drafter, step) if step is not None else None
     report = {
         "run": str(args.run_dir), "drafter": args.drafter, "step": step, "checkpoint": str(path),

@@ -70,14 +70,16 @@ class Proposer(Protocol):
     def reset(self) -> None:
         """Forget everything about the previous sequence."""
 
-    def propose(self, features: torch.Tensor | None, anchor: int, start: int, num_draft: int) -> torch.Tensor:
+    def propose(self, features: torch.Tensor | None, anchor: int, start: int, num_draft: int,
+                tokens: Sequence[int] = ()) -> torch.Tensor:
         """Logits ``[n, V]`` of the drafts after the anchor, ``1 <= n <= num_draft`` (a proposer
         may stop early where it expects a later draft to be rejected).
 
         ``features`` ``[1, C, k*H]`` are the target features of positions
         ``start - C .. start - 1`` (every position since the previous call;
         ``None`` when ``layer_ids`` is None); ``anchor`` is the token at
-        position ``start``; draft ``i`` is for position ``start + 1 + i``.
+        position ``start``; draft ``i`` is for position ``start + 1 + i``;
+        ``tokens`` are the sequence's tokens at positions ``0 .. start``.
         """
         ...
 
@@ -366,7 +368,7 @@ def speculative_generate(
         draft: list[int] = []
         draft_probs = None
         if num_draft > 0:
-            draft_logits = proposer.propose(pending, anchor, start, num_draft)
+            draft_logits = proposer.propose(pending, anchor, start, num_draft, prompt + tokens)
             pending = None
             if temperature > 0:
                 draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)
@@ -485,7 +487,8 @@ class DFlashProposer:
         self.cache = DraftContextCache(len(self.drafter.layers))
 
     @torch.inference_mode()
-    def propose(self, features: torch.Tensor | None, anchor: int, start: int, num_draft: int) -> torch.Tensor:
+    def propose(self, features: torch.Tensor | None, anchor: int, start: int, num_draft: int,
+                tokens: Sequence[int] = ()) -> torch.Tensor:
         if features is None:
             raise ValueError("DFlashProposer needs target features")
         ctx_new = features.shape[1]

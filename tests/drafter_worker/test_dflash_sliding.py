@@ -339,8 +339,8 @@ def test_speculative_decoding_with_a_sliding_drafter_drafts_what_training_scores
     calls = []
     inner = proposer.propose
 
-    def logged(features, anchor, start, num_draft):
-        logits = inner(features, anchor, start, num_draft)
+    def logged(features, anchor, start, num_draft, tokens=()):
+        logits = inner(features, anchor, start, num_draft, tokens)
         calls.append((anchor, start, logits))
         return logits
 

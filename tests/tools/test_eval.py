@@ -134,6 +134,17 @@ def test_draft_confidence_cuts_the_drafts_a_step_verifies(run_dir, tmp_path, cap
     assert "drafts cut below confidence 0.999" in capsys.readouterr().out
 
 
+def test_prompt_lookup_drafts_where_the_sequence_repeats_and_stays_greedy(run_dir, tmp_path, capsys):
+    # 40 new tokens of a tiny random target repeat some of its bigrams: the lookup drafts those steps.
+    out = tmp_path / "report.json"
+    assert eval_main([str(run_dir), "--drafter", "d0", "--num-prompts", "2", "--max-new-tokens", "40",
+                      "--ignore-eos", "--prompt-lookup", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prompt_lookup"] is True and 0 < report["lookup_steps_frac"] < 1
+    assert report["greedy_mismatches"] == 0 and report["generated_tokens"] == 80
+    assert "prompt lookup drafting" in capsys.readouterr().out
+
+
 def test_eval_watch_pushes_tau_at_the_checkpoint_step(run_dir):
     (port,) = free_ports(1)
     address = f"tcp://127.0.0.1:{port}"

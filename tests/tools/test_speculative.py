@@ -89,7 +89,7 @@ class OracleProposer:
     def reset(self) -> None:
         self.calls = 0
 
-    def propose(self, features, anchor, start, num_draft):
+    def propose(self, features, anchor, start, num_draft, tokens=()):
         self.calls += 1
         assert features is None
         assert self.sequence[start] == anchor
@@ -171,8 +171,8 @@ def record_proposals(proposer: DFlashProposer) -> list:
     calls = []
     inner = proposer.propose
 
-    def logged(features, anchor, start, num_draft):
-        logits = inner(features, anchor, start, num_draft)
+    def logged(features, anchor, start, num_draft, tokens=()):
+        logits = inner(features, anchor, start, num_draft, tokens)
         calls.append((anchor, start, logits))
         return logits
 
@@ -375,3 +375,21 @@ def test_a_bf16_verification_rounds_each_row_as_a_plain_step_does():
             step = _target_forward(model, [token], len(prompt) + i, cache, hidden=False, last_only=True).logits[0, -1]
             assert torch.equal(step, verified[i]), f"row {i}: {(step - verified[i]).abs().max()}"
     assert model.config._attn_implementation == "sdpa"  # the model's own again
+
+
+def test_prompt_lookup_in_front_of_the_drafter_keeps_decoding_exact(target):
+    # The lookup (here of a single token) drafts wherever the anchor occurred before, the drafter elsewhere;
+    # the drafter's context must still get every position's features (it raises if not).
+    from tools.prompt_lookup import PromptLookupProposer
+
+    prompt = [5, 17, 99, 3, 42, 8, 5, 17, 99, 3, 42, 8, 5, 17]
+    inner = dflash_proposer(target, make_drafter())
+    proposer = PromptLookupProposer(inner, VOCAB, min_ngram=1)
+    n = 24
+    plain = plain_generate(target, prompt, max_new_tokens=n)
+    spec = speculative_generate(target, proposer, prompt, max_new_tokens=n)
+    assert spec.tokens == plain.tokens
+    assert proposer.lookup_steps >= 1 and inner.passes_taken >= 1  # both drafted, in turn
+    sampled = [speculative_generate(target, proposer, prompt, max_new_tokens=n, temperature=0.8,
+                                    generator=torch.Generator().manual_seed(3)).tokens for _ in range(2)]
+    assert sampled[0] == sampled[1]
