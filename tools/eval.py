@@ -215,9 +215,10 @@ def evaluate(
     sets the drafting passes a block takes (default: the drafter's own, ``drafter.denoise_passes``);
     ``draft_confidence`` ends each step's drafts where the drafter's own chance that all of them are
     right falls below it (0: never). ``prompt_lookup`` drafts by prompt lookup wherever the sequence's
-    last tokens occurred before, by the drafter elsewhere (:mod:`tools.prompt_lookup`). With a ``deadline`` (``time.monotonic()``), no prompt starts
-    that would end after it at the pace so far, once ``min_prompts`` are decoded: the prompts keep
-    their order, so a shorter evaluation is a prefix of the full one."""
+    last tokens occurred before, by the drafter elsewhere (:mod:`tools.prompt_lookup`). With a
+    ``deadline`` (``time.monotonic()``), no prompt starts that would end after it at the pace so far,
+    once ``min_prompts`` are decoded: the prompts keep their order, so a shorter evaluation is a
+    prefix of the full one."""
     from common.model_loader import embedding_weights
     from tools.speculative import DFlashProposer, evaluation_decoding
 
@@ -390,7 +391,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report.get('denoise_passes', 1)} drafting pass{'es' if report.get('denoise_passes', 1) > 1 else ''}"
         + (f", drafts cut below confidence {report['draft_confidence']:g}: {report['drafts_per_step']:.2f} "
            f"drafts and {report['drafting_passes_per_step']:.2f} passes a step" if report.get("draft_confidence") else "")
-        + (f", prompt lookup drafting {report['lookup_steps_frac']:.0%} of the steps" if report.get("prompt_lookup") else "")
+        + (f", prompt lookup drafting {report['lookup_steps_frac']:.0%} of the steps"
+           if report.get("prompt_lookup") else "")
         + "; "
         f"per prompt min {min(report['tau_per_prompt']):.2f} max {max(report['tau_per_prompt']):.2f})",
         "  training EAL proxy: " + (f"{eal:.3f} (predicts tau {1 + eal:.3f})" if eal is not None else "not found"),
