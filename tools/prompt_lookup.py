@@ -1,9 +1,9 @@
 """Prompt lookup in front of a drafter: copies what the context already holds.
 
 A DFlash drafter reads each context position only through the target's
-features there, which hold the position's own token well and the token before
-it poorly, so it seldom drafts a stretch the answer copies from its prompt
-(docs/recipe.md, "Copying from the prompt"). Prompt lookup drafts exactly
+features there, which hold the position's own token clearly and the token
+before it less so. The recipe's drafter seldom drafts a stretch the answer
+copies from its prompt (docs/recipe.md, "Copying from the prompt"). Prompt lookup drafts exactly
 those: where the sequence's last n tokens occurred before, the drafts are the
 tokens that followed their latest occurrence. :class:`PromptLookupProposer`
 tries the lookup first and asks the drafter only where it finds nothing; the
