@@ -82,6 +82,7 @@ def main() -> int:
     from common.config import load_config
     from common.model_loader import embedding_weights, final_norm_weight, load_target
     from drafter_worker.model.dflash_model import _weighted_slot_loss, load_drafter
+    from drafter_worker.model.distill_loss import teacher_hidden
     from target_server.data import build_dataset
 
     cfg = load_config(args.config, [])
@@ -98,7 +99,6 @@ def main() -> int:
     norm = final_norm_weight(loaded.model)
     if norm is None or max(model.target_layer_ids) != loaded.num_layers - 1:
         raise SystemExit("the target's confidence needs its final norm and its last layer among the drafter's")
-    norm_weight, eps = norm[0].float(), norm[1]
     hidden_size = loaded.hidden_size
 
     hits = collections.defaultdict(lambda: [0, 0])  # (group, bin, in prompt) -> [hits, anchors]
@@ -112,9 +112,7 @@ def main() -> int:
         with torch.no_grad():
             anchors, valid, inputs, hidden = _every_anchor(model, sample, feats[j], embed)
             _, slot_hits = _weighted_slot_loss(model, hidden, inputs, head, 1.0, "auto")
-            last = feats[j][:, -hidden_size:]
-            normed = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
-            confidence = torch.softmax(normed @ head.T, -1).max(-1).values
+            confidence = torch.softmax(teacher_hidden(feats[j][:, -hidden_size:], *norm) @ head.T, -1).max(-1).values
         run = (slot_hits.bool() & inputs.label_valid[:, :, 1:].bool()).long().cumprod(-1).sum(-1)[0]
         steps = {}
         for n in range(anchors.shape[1]):
